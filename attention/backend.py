@@ -1,0 +1,67 @@
+"""The attention backend interface and the per-step batch layout every backend plans from."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(slots=True)
+class BatchLayout:
+    """Host-side facts about one step's batch for one KV cache group.
+
+    Requests are in batch order; request i owns query tokens
+    ``query_start_loc[i]:query_start_loc[i+1]`` of the flattened token dimension, whose
+    positions are ``seq_lens[i] - query_lens[i]`` ... ``seq_lens[i] - 1``.
+    """
+    query_start_loc: np.ndarray     # [num_reqs + 1] int64
+    seq_lens: np.ndarray            # [num_reqs] tokens in context after this step
+    block_table: torch.Tensor       # [num_reqs, >= max blocks] int32, rows in batch order
+    slot_mapping: torch.Tensor      # [num_tokens] int64, flat cache slot per token
+    block_size: int
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        return np.diff(self.query_start_loc)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens)
+
+
+class AttentionBackend(ABC):
+    """One implementation of paged attention (torch, triton, flashinfer, ...)."""
+
+    name: str = "abstract"
+
+    @staticmethod
+    def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
+        """Per-layer cache layout: K and V pages, token-major inside a block."""
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @abstractmethod
+    def plan(self, layout: BatchLayout, device: torch.device) -> Any:
+        """Build per-step metadata once; every layer of the group reuses it."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: Any, scale: float) -> torch.Tensor:
+        """Write k/v of this step into the cache, then attend.
+
+        q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        Returns [num_tokens, num_heads, head_dim].
+        """
+
+
+_BACKENDS: dict[str, str] = {"torch": "attention.torch_backend:TorchAttentionBackend"}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(_BACKENDS)}")
+    module, cls = _BACKENDS[name].split(":")
+    import importlib  # backends import their own heavy deps (triton, flashinfer) lazily
+    return getattr(importlib.import_module(module), cls)()

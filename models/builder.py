@@ -1,0 +1,96 @@
+"""Builds a causal LM from a ModelSpec, and says which checkpoint tensors fill which params."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
+from models.spec import ModelSpec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CausalLM(nn.Module):
+    """Embedding, a stack of layers by kind, final norm, LM head (optionally tied)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        rotary = RotaryEmbedding(spec.attention.head_dim, spec.rope, spec.max_model_len)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """input_ids, positions: [num_tokens]. Returns final hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(positions, x, kv_cache)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
+        """What cache each layer needs, by layer id (every layer is full attention today)."""
+        a = self.spec.attention
+        return {i: FullAttentionSpec(block_size, a.num_kv_heads, a.head_dim, dtype)
+                for i in range(self.spec.num_layers)}
+
+    def weight_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Our parameter name -> [(checkpoint tensor name, row offset, rows)].
+
+        Fused params list several tensors stacked along dim 0; plain params list one.
+        Names come from the spec's `weight_names`, so a family with other names is YAML.
+        """
+        s, a, m = self.spec, self.spec.attention, self.spec.mlp
+        name = s.weight_name
+        src: dict[str, list[tuple[str, int, int]]] = {
+            "embed_tokens.weight": [(name("embed"), 0, s.vocab_size)],
+            "norm.weight": [(name("final_norm"), 0, s.hidden_size)],
+        }
+        if not s.tie_word_embeddings:
+            src["lm_head.weight"] = [(name("lm_head"), 0, s.vocab_size)]
+        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        I = m.intermediate_size
+        for i in range(s.num_layers):
+            hf = name("layer").format(i=i)
+            ours = f"layers.{i}."
+            src[ours + "input_layernorm.weight"] = [(hf + name("input_norm"), 0, s.hidden_size)]
+            src[ours + "post_attention_layernorm.weight"] = [(hf + name("post_attn_norm"), 0, s.hidden_size)]
+            qkv = [(name("q"), 0, q), (name("k"), q, kv), (name("v"), q + kv, kv)]
+            gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
+            linears = [("self_attn.qkv_proj", qkv, a.bias),
+                       ("self_attn.o_proj", [(name("o"), 0, s.hidden_size)], a.o_bias),
+                       ("mlp.gate_up_proj", gate_up, m.bias),
+                       ("mlp.down_proj", [(name("down"), 0, s.hidden_size)], m.bias)]
+            for param, parts, has_bias in linears:
+                src[ours + param + ".weight"] = [(hf + p + ".weight", off, n) for p, off, n in parts]
+                if has_bias:
+                    src[ours + param + ".bias"] = [(hf + p + ".bias", off, n) for p, off, n in parts]
+            if a.qk_norm:
+                src[ours + "self_attn.q_norm.weight"] = [(hf + name("q_norm"), 0, a.head_dim)]
+                src[ours + "self_attn.k_norm.weight"] = [(hf + name("k_norm"), 0, a.head_dim)]
+        return src
+
+
+def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
+    """Instantiate the module tree on `device` in the spec's dtype (weights uninitialised)."""
+    dtype = dtype or DTYPES[spec.dtype]
+    with torch.device("meta"):
+        model = CausalLM(spec)
+    model = model.to_empty(device=device)
+    # Rotary tables are computed in float32 and must survive to_empty(): rebuild them.
+    fresh = RotaryEmbedding(spec.attention.head_dim, spec.rope, spec.max_model_len).to(device)
+    rotary = model.layers[0].self_attn.rotary
+    rotary.cos, rotary.sin = fresh.cos, fresh.sin
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    if spec.tie_word_embeddings:   # to_empty() gives each module its own storage: re-tie
+        model.lm_head.weight = model.embed_tokens.weight
+    return model.eval()

@@ -1,0 +1,131 @@
+"""Derive a ModelSpec from an HF checkpoint directory's config.json.
+
+`LLM(hf_dir)` uses this directly; `python -m models.import_hf <hf_dir> -o spec.yaml`
+writes the derived spec so it can be edited, extended and kept in the zoo.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import yaml
+
+from models.spec import ModelSpec, SpecError, spec_from_dict, spec_to_dict
+
+# model_type -> family traits that config.json does not spell out.
+_FAMILIES = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+         "gelu": "gelu"}
+
+
+def _rope(cfg: dict) -> dict:
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = cfg.get("rope_scaling") or {}
+    params = {**legacy, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope = {"theta": float(theta), "type": params.get("rope_type", params.get("type", "default"))}
+    prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if prf is not None:
+        rope["partial_rotary_factor"] = float(prf)
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if key in params:
+            rope[key] = params[key]
+    return rope
+
+
+def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
+    where = hf_dir / "config.json"
+    model_type = cfg.get("model_type")
+    if model_type not in _FAMILIES:
+        raise SpecError(f"{where}: model_type: {model_type!r} is not supported yet "
+                        f"(supported: {', '.join(_FAMILIES)})")
+    if model_type == "mistral" and cfg.get("sliding_window"):
+        raise SpecError(f"{where}: sliding_window: sliding-window attention is not built yet")
+    traits = _FAMILIES[model_type]
+    heads = cfg["num_attention_heads"]
+    act = cfg.get("hidden_act", "silu")
+    if act not in _ACTS:
+        raise SpecError(f"{where}: hidden_act: {act!r} is not supported")
+    eos = cfg.get("eos_token_id")
+    eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    gen = hf_dir / "generation_config.json"
+    if gen.exists():
+        g_eos = json.loads(gen.read_text()).get("eos_token_id")
+        for t in [g_eos] if isinstance(g_eos, int) else (g_eos or []):
+            if t not in eos:
+                eos.append(t)
+    attn_bias = bool(cfg.get("attention_bias", False))
+    dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    return {
+        "name": hf_dir.name,
+        "vocab_size": cfg["vocab_size"],
+        "hidden_size": cfg["hidden_size"],
+        "layers": {"num": cfg["num_hidden_layers"], "pattern": ["full_attention"]},
+        "attention": {
+            "num_heads": heads,
+            "num_kv_heads": cfg.get("num_key_value_heads") or heads,
+            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            "qk_norm": traits.get("qk_norm", False),
+            "bias": traits.get("qkv_bias", attn_bias),
+            "o_bias": attn_bias and not traits.get("qkv_bias", False),
+        },
+        "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": _ACTS[act],
+                "bias": bool(cfg.get("mlp_bias", False))},
+        "norm": {"eps": float(cfg.get("rms_norm_eps", 1e-6))},
+        "rope": _rope(cfg),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "dtype": dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
+        "max_model_len": int(cfg.get("max_position_embeddings", 4096)),
+        "eos_token_ids": eos,
+        "checkpoint": {"source": "hf", "path": str(hf_dir.resolve())},
+    }
+
+
+def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
+    hf_dir = Path(hf_dir)
+    config = hf_dir / "config.json"
+    if not config.exists():
+        raise SpecError(f"{hf_dir}: not a spec file and no config.json in it")
+    try:
+        cfg = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise SpecError(f"{config}: malformed JSON: {e}") from None
+    try:
+        data = spec_dict_from_hf_config(cfg, hf_dir)
+    except KeyError as e:
+        raise SpecError(f"{config}: {e.args[0]}: required field is missing") from None
+    return spec_from_dict(data, str(config))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Write a zoo spec derived from an HF checkpoint dir.")
+    ap.add_argument("hf_dir")
+    ap.add_argument("-o", "--output", required=True, help="spec YAML to write")
+    args = ap.parse_args(argv)
+    try:
+        spec = spec_from_hf_dir(args.hf_dir)
+    except SpecError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    data = spec_to_dict(spec)
+    out = Path(args.output)
+    ck_path = Path(data["checkpoint"]["path"])
+    try:  # keep the checkpoint path relative to the spec when it can be
+        data["checkpoint"]["path"] = os.path.relpath(ck_path, out.resolve().parent)
+    except ValueError:
+        pass
+    out.write_text(yaml.safe_dump(data, sort_keys=False))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Layer modules: norms, rotary embedding, attention, MLP and the decoder layer.
+
+Modules work on the flattened token dimension ([num_tokens, hidden]) with no batch axis:
+the runner packs every scheduled request's tokens into one row, and attention finds each
+token's request through the per-step plan. Projections are fused (qkv, gate_up) so a layer
+runs two large GEMMs instead of five small ones; the loader fills the fused weights from
+the checkpoint's separate tensors.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import attention.ops  # noqa: F401  (registers torch.ops.zooinfer.paged_attention)
+from models.spec import ModelSpec, RopeSpec
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in float32; multiplies by (offset + weight) so Gemma's `1 + w` is offset=1."""
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) if offset == 0 else torch.zeros(dim))
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        weight = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return (weight * x).to(dtype) if self.offset else weight.to(dtype) * x.to(dtype)
+
+
+def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if rope.type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.type == "llama3":
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+        high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves) over the first `rotary_dim` dims, with a
+    cos/sin table precomputed for every position up to max_model_len."""
+
+    def __init__(self, head_dim: int, rope: RopeSpec, max_positions: int):
+        super().__init__()
+        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        inv_freq = rope_inv_freq(rope, self.rotary_dim)
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.register_buffer("cos", freqs.cos(), persistent=False)   # [max_pos, rotary_dim/2]
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)   # [tokens, 1, rotary_dim/2]
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        a = spec.attention
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_size = a.num_heads * a.head_dim
+        self.kv_size = a.num_kv_heads * a.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=a.bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=a.o_bias)
+        self.q_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
+        self.k_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
+        self.rotary = rotary
+        self.scale = a.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = torch.ops.zooinfer.paged_attention(q, k, v.contiguous(), kv_cache, self.layer_id, self.scale)
+        return self.o_proj(o.view(-1, self.q_size))
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(gate(x)) * up(x))."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        m = spec.mlp
+        self.intermediate_size = m.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * m.intermediate_size, bias=m.bias)
+        self.down_proj = nn.Linear(m.intermediate_size, spec.hidden_size, bias=m.bias)
+        self.act = _ACTIVATIONS[m.activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
+        self.self_attn = Attention(spec, layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
+        self.mlp = GatedMLP(spec)
+
+    def forward(self, positions, x, kv_cache):
+        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))

@@ -1,0 +1,110 @@
+"""Weights: stream safetensors into the built model, or fill it with seeded random values.
+
+Only safetensors are read (never pickle). Tensors are opened one at a time with
+`safe_open`, copied into their (possibly fused) parameter slice and dropped, so peak memory
+is the model plus one tensor. Every shape is checked against the spec, and missing or
+unexpected tensors are reported by name in one line.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from models.builder import CausalLM
+from models.spec import ModelSpec
+
+
+class WeightError(ValueError):
+    """A checkpoint that does not fit its spec; the message names the file and tensor."""
+
+
+# Checkpoint tensors that carry nothing we use.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def checkpoint_dir(spec: ModelSpec) -> Path | None:
+    """Directory holding the spec's safetensors (None for dummy weights)."""
+    ck = spec.checkpoint
+    if ck.source == "dummy":
+        return None
+    if ck.source == "embedded":
+        from models.embedded import ensure_embedded
+        return ensure_embedded(ck.name)
+    path = spec.resolve_path(ck.path)
+    if not path.is_dir():
+        raise WeightError(f"{spec.source_file or spec.name}: checkpoint.path: no such directory {path}")
+    return path
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise WeightError(f"{path}: no *.safetensors files (only safetensors are loaded, never pickles)")
+    return files
+
+
+def _fmt(names: list[str], limit: int = 5) -> str:
+    more = f" (+{len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+@torch.no_grad()
+def load_safetensors(model: CausalLM, path: Path) -> None:
+    params = dict(model.named_parameters())
+    targets: dict[str, tuple[str, int, int]] = {}
+    for param, parts in model.weight_sources().items():
+        for ckpt_name, offset, rows in parts:
+            targets[ckpt_name] = (param, offset, rows)
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                if name not in targets:
+                    if name != tied_head and not name.endswith(_IGNORED_SUFFIXES):
+                        unexpected.append(name)
+                    continue
+                param_name, offset, rows = targets[name]
+                param = params[param_name]
+                expected = (rows, *param.shape[1:])
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != expected:
+                    raise WeightError(f"{file}: tensor '{name}' has shape {list(tensor.shape)}, "
+                                      f"the spec expects {list(expected)}")
+                param[offset: offset + rows].copy_(tensor)
+                seen.add(name)
+    missing = sorted(set(targets) - seen)
+    if missing:
+        raise WeightError(f"{path}: missing tensors: {_fmt(missing)}")
+    if unexpected:
+        raise WeightError(f"{path}: unexpected tensors (not in the spec): {_fmt(sorted(unexpected))}")
+
+
+@torch.no_grad()
+def init_dummy(model: CausalLM, seed: int, std: float) -> None:
+    """Seeded random weights: normal(0, std) for matrices, 1 (or 0 for offset norms) for
+    norm weights, zero biases. Same seed, same weights, on any machine."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0 if model.spec.norm.offset == 0 else 0.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def load_weights(model: CausalLM, spec: ModelSpec) -> None:
+    path = checkpoint_dir(spec)
+    if path is None:
+        init_dummy(model, spec.checkpoint.seed, spec.checkpoint.init_std)
+    else:
+        load_safetensors(model, path)

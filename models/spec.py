@@ -1,0 +1,319 @@
+"""Model specs: the YAML schema of the zoo, parsed into slotted dataclasses.
+
+A spec declares everything the builder needs (sizes, per-layer kinds, norms, rope, MLP,
+checkpoint source, HF weight names) so that a new architecture made of existing layer kinds
+is YAML, not Python. Parsing is strict: unknown fields, wrong types and bad values raise a
+one-line ``SpecError`` that names the file and the field path, e.g.
+``zoo/x.yaml: layers.pattern[2]: unknown layer kind 'ful'``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# Layer kinds the zoo knows. Only full attention is built today; the others are declared so a
+# spec naming them gets a precise "not built yet" error rather than "unknown kind".
+IMPLEMENTED_LAYER_KINDS = ("full_attention",)
+PLANNED_LAYER_KINDS = ("sliding_attention", "mamba2", "gated_deltanet")
+ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+DTYPES = ("float32", "bfloat16", "float16")
+CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class SpecError(ValueError):
+    """A user-fixable problem in a spec; the message is ``file: field.path: what``."""
+
+
+@dataclass(slots=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    qk_norm: bool = False      # Qwen3: RMSNorm over each head of q and k before rope
+    bias: bool = False         # bias on q/k/v projections (Qwen2)
+    o_bias: bool = False
+
+
+@dataclass(slots=True)
+class MLPSpec:
+    intermediate_size: int
+    activation: str = "silu"   # silu -> SwiGLU, gelu_tanh -> GeGLU
+    bias: bool = False
+
+
+@dataclass(slots=True)
+class NormSpec:
+    eps: float = 1e-6
+    offset: float = 0.0        # Gemma stores w - 1: the norm multiplies by (offset + w)
+
+
+@dataclass(slots=True)
+class RopeSpec:
+    theta: float = 10000.0
+    partial_rotary_factor: float = 1.0
+    type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0          # llama3 scaling
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(slots=True)
+class LayersSpec:
+    num: int
+    pattern: list = field(default_factory=lambda: ["full_attention"])  # repeated to `num`
+    kinds: list | None = None  # explicit per-layer list; overrides pattern
+
+    def expand(self) -> list[str]:
+        if self.kinds is not None:
+            return list(self.kinds)
+        return [self.pattern[i % len(self.pattern)] for i in range(self.num)]
+
+
+@dataclass(slots=True)
+class CheckpointSpec:
+    source: str = "dummy"
+    path: str | None = None    # hf: directory with *.safetensors (relative to the spec file)
+    name: str | None = None    # embedded: registry name (models.embedded)
+    seed: int = 0              # dummy: weights are seeded random
+    init_std: float = 0.02
+
+
+# Where each of our parameters lives in an HF checkpoint. Per-layer names are relative to
+# `layer` (with {i} the layer index). Defaults are the Llama family's names.
+DEFAULT_WEIGHT_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+    "layer": "model.layers.{i}.",
+    "input_norm": "input_layernorm.weight",
+    "post_attn_norm": "post_attention_layernorm.weight",
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    name: str
+    vocab_size: int
+    hidden_size: int
+    layers: LayersSpec
+    attention: AttentionSpec
+    mlp: MLPSpec
+    norm: NormSpec = field(default_factory=NormSpec)
+    rope: RopeSpec = field(default_factory=RopeSpec)
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    eos_token_ids: list = field(default_factory=list)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    weight_names: dict = field(default_factory=dict)
+    tokenizer: str | None = None   # directory; defaults to the checkpoint directory
+    source_file: str = ""          # set by the loader; never read from YAML
+
+    @property
+    def layer_kinds(self) -> list[str]:
+        return self.layers.expand()
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers.num
+
+    def weight_name(self, key: str) -> str:
+        return self.weight_names.get(key, DEFAULT_WEIGHT_NAMES[key])
+
+    def resolve_path(self, p: str) -> Path:
+        """Paths in a spec are relative to the spec file; ``~`` expands."""
+        path = Path(p).expanduser()
+        if not path.is_absolute() and self.source_file:
+            path = Path(self.source_file).parent / path
+        return path
+
+
+# ---------------------------------------------------------------- parsing
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_scalar(value: Any, tp: type, where: str, fail) -> Any:
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if tp in (str, bool, dict, list) and isinstance(value, tp):
+        return value
+    fail(where, f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls: type, data: Any, where: str, fail) -> Any:
+    """Dataclass from a dict: unknown keys, missing keys and wrong types are errors."""
+    if not isinstance(data, dict):
+        fail(where, f"expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_file"}
+    for key in data:
+        if key not in fields:
+            near = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            fail(_join(where, key), f"unknown field{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        sub = _join(where, name)
+        if name not in data:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                fail(sub, "required field is missing")
+            continue
+        value, tp = data[name], hints[name]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and type(None) in typing.get_args(tp):
+            kwargs[name] = None
+            continue
+        tp = args[0] if args else tp
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, sub, fail)
+        else:
+            kwargs[name] = _check_scalar(value, typing.get_origin(tp) or tp, sub, fail)
+    return cls(**kwargs)
+
+
+def _join(where: str, key: Any) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _validate(spec: ModelSpec, fail) -> None:
+    def positive(value: Any, where: str) -> None:
+        if value <= 0:
+            fail(where, f"must be > 0, got {value}")
+
+    for where in ("vocab_size", "hidden_size", "max_model_len", "layers.num",
+                  "attention.num_heads", "attention.num_kv_heads", "attention.head_dim",
+                  "mlp.intermediate_size"):
+        obj = spec
+        for part in where.split("."):
+            obj = getattr(obj, part)
+        positive(obj, where)
+    a = spec.attention
+    if a.num_heads % a.num_kv_heads:
+        fail("attention.num_kv_heads",
+             f"num_heads {a.num_heads} is not a multiple of num_kv_heads {a.num_kv_heads}")
+    lay = spec.layers
+    kinds_field = "layers.kinds" if lay.kinds is not None else "layers.pattern"
+    kinds = lay.kinds if lay.kinds is not None else lay.pattern
+    if not kinds:
+        fail(kinds_field, "must name at least one layer kind")
+    if lay.kinds is not None and len(lay.kinds) != lay.num:
+        fail("layers.kinds", f"lists {len(lay.kinds)} layers but layers.num is {lay.num}")
+    for i, kind in enumerate(kinds):
+        if kind in PLANNED_LAYER_KINDS:
+            fail(f"{kinds_field}[{i}]", f"layer kind '{kind}' is declared but not built yet")
+        if kind not in IMPLEMENTED_LAYER_KINDS:
+            near = difflib.get_close_matches(str(kind), IMPLEMENTED_LAYER_KINDS + PLANNED_LAYER_KINDS, n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            fail(f"{kinds_field}[{i}]", f"unknown layer kind {kind!r}{hint}")
+    choices = [("mlp.activation", spec.mlp.activation, ACTIVATIONS),
+               ("dtype", spec.dtype, DTYPES),
+               ("checkpoint.source", spec.checkpoint.source, CHECKPOINT_SOURCES),
+               ("rope.type", spec.rope.type, ROPE_TYPES)]
+    for where, value, allowed in choices:
+        if value not in allowed:
+            fail(where, f"{value!r} is not one of {', '.join(allowed)}")
+    if not 0 < spec.rope.partial_rotary_factor <= 1:
+        fail("rope.partial_rotary_factor", "must be in (0, 1]")
+    rotary = int(a.head_dim * spec.rope.partial_rotary_factor)
+    if rotary % 2:
+        fail("rope.partial_rotary_factor", f"rotary dim {rotary} must be even")
+    ck = spec.checkpoint
+    if ck.source == "hf" and not ck.path:
+        fail("checkpoint.path", "source 'hf' needs a path to a safetensors directory")
+    if ck.source == "embedded" and not ck.name:
+        fail("checkpoint.name", "source 'embedded' needs a name (e.g. smollm2-135m)")
+    for key, value in spec.weight_names.items():
+        if key not in DEFAULT_WEIGHT_NAMES:
+            fail(f"weight_names.{key}", f"unknown weight key; known: {', '.join(DEFAULT_WEIGHT_NAMES)}")
+        if not isinstance(value, str):
+            fail(f"weight_names.{key}", "expected a string")
+    if not all(isinstance(t, int) for t in spec.eos_token_ids):
+        fail("eos_token_ids", "expected a list of token ids")
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """Deep merge: mappings merge key by key, anything else in `over` replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_yaml(path: Path, chain: tuple[Path, ...] = ()) -> dict:
+    """Read one YAML file and resolve its `extends:` chain (relative to the file)."""
+    if path in chain:
+        raise SpecError(f"{path}: extends: cycle through {' -> '.join(map(str, chain + (path,)))}")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise SpecError(f"{path}: cannot read spec: {e.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SpecError(f"{path}: {where}malformed YAML: {problem}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str):
+        raise SpecError(f"{path}: extends: expected a file path")
+    base_path = (path.parent / parent).resolve()
+    base = _read_yaml(base_path, chain + (path,))
+    # The base's relative checkpoint path stays relative to the base file.
+    ck = base.get("checkpoint")
+    if isinstance(ck, dict) and isinstance(ck.get("path"), str) and not Path(ck["path"]).expanduser().is_absolute():
+        if not (isinstance(data.get("checkpoint"), dict) and "path" in data["checkpoint"]):
+            base["checkpoint"] = dict(ck, path=str(base_path.parent / ck["path"]))
+    return _merge(base, data)
+
+
+def spec_from_dict(data: dict, source: str = "<dict>") -> ModelSpec:
+    def fail(where: str, msg: str) -> typing.NoReturn:
+        raise SpecError(f"{source}: {where}: {msg}")
+
+    spec = _build(ModelSpec, data, "", fail)
+    _validate(spec, fail)
+    spec.source_file = source if source != "<dict>" else ""
+    return spec
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Load a zoo YAML spec (following `extends:`) and validate it."""
+    path = Path(path)
+    return spec_from_dict(_read_yaml(path.resolve()), str(path))
+
+
+def spec_to_dict(spec: ModelSpec) -> dict:
+    data = dataclasses.asdict(spec)
+    data.pop("source_file")
+    if data["layers"]["kinds"] is None:
+        data["layers"].pop("kinds")
+    return data

@@ -1,0 +1,31 @@
+"""EngineConfig: the knobs `LLM(...)` and the CLIs pass to the engine."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None        # explicit pool size; else sized from kv_cache_memory
+    kv_cache_memory: int = 1 << 30          # bytes for the KV pool when num_kv_blocks is None
+    max_model_len: int | None = None        # default and cap: the spec's max_model_len
+    seed: int = 0
+    dtype: str | None = None                # default: the spec's dtype
+    attention_backend: str = "torch"
+    device: str = "cpu"
+    compile: bool = False
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

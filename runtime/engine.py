@@ -1,0 +1,192 @@
+"""The Engine: spec -> model + KV cache -> scheduler/runner step loop -> outputs.
+
+`step()` is one iteration: schedule under the token budget, run the model on exactly the
+scheduled tokens, feed sampled tokens back to the scheduler, and turn what changed into
+RequestOutputs. Everything a user sends is validated in `add_request` before it touches
+the scheduler, so a bad request is a ValueError for that request, never a broken engine.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from cache.manager import KVCacheManager
+from cache.sizing import make_kv_cache_config
+from models import build_model, load_weights, resolve_spec
+from models.builder import DTYPES
+from models.loader import checkpoint_dir
+from runtime.config import EngineConfig
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.model_runner import ModelRunner
+from runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from runtime.request import Request, RequestStatus
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Scheduler
+
+log = logging.getLogger("zooinfer")
+
+
+def load_tokenizer(path: Path | None):
+    if path is None or not (path / "tokenizer_config.json").exists() and not (path / "tokenizer.json").exists():
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class Engine:
+    def __init__(self, model: str | Path, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        config.validate()
+        t0 = time.perf_counter()
+        self.spec = spec = resolve_spec(model)
+        if config.max_model_len is not None:
+            if config.max_model_len > spec.max_model_len:
+                raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {spec.max_model_len}")
+            spec.max_model_len = config.max_model_len
+        self.max_model_len = spec.max_model_len
+        dtype = DTYPES[config.dtype or spec.dtype] if (config.dtype or spec.dtype) in DTYPES else None
+        if dtype is None:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+        torch.manual_seed(config.seed)
+        ckpt = checkpoint_dir(spec)
+        self.model = build_model(spec, config.device, dtype)
+        load_weights(self.model, spec)
+        t1 = time.perf_counter()
+        kv_config = make_kv_cache_config(
+            self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
+            num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
+            min_tokens=self.max_model_len,
+            max_useful_blocks=config.max_num_seqs * -(-self.max_model_len // config.block_size) + 1)
+        self.kv_manager = KVCacheManager(kv_config)
+        self.scheduler = Scheduler(self.kv_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
+        tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
+        self.tokenizer = load_tokenizer(tok_dir)
+        eos = list(spec.eos_token_ids)
+        if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = [self.tokenizer.eos_token_id]
+        self.eos_token_ids = tuple(eos)
+        self.runner = ModelRunner(self.model, kv_config, max_num_reqs=config.max_num_seqs,
+                                  max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
+                                  attention_backend=config.attention_backend, device=config.device,
+                                  kv_dtype=dtype, compile=config.compile)
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._prompts: dict[str, str | None] = {}
+        self._next_id = 0
+        log.info("engine ready: %s, weights %.1fs, KV %d blocks x %d tokens (%d tokens)",
+                 spec.name, t1 - t0, kv_config.num_blocks - 1, config.block_size,
+                 (kv_config.num_blocks - 1) * config.block_size)
+
+    # ------------------------------------------------------------- requests
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
+                raise ValueError("prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate one prompt + params into a Request (nothing is scheduled yet)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
+        text, ids = self.tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        vocab = self.spec.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             f"(room for at least one generated token is needed)")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if request_id is None:
+            request_id = str(self._next_id)
+            self._next_id += 1
+        req = Request(request_id, ids, params, self.eos_token_ids, max_tokens)
+        self._prompts[request_id] = text
+        return req
+
+    def add_request(self, request: Request, stream_text: bool = False) -> None:
+        p = request.sampling_params
+        self.scheduler.add_request(request)
+        if self.tokenizer is not None and (p.stop or stream_text):
+            self._detok[request.request_id] = IncrementalDetokenizer(
+                self.tokenizer, request.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+                p.skip_special_tokens)
+
+    def abort(self, request_ids) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            self._detok.pop(rid, None)
+            self._prompts.pop(rid, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------- one step
+    def step(self) -> list[RequestOutput]:
+        so = self.scheduler.schedule()
+        if so.is_empty:
+            # Nothing fits (or only removals): still let the runner drop finished rows.
+            self.runner.execute(so)
+            return []
+        result = self.runner.execute(so)
+        updated = self.scheduler.update(so, result.sampled, result.logprobs)
+        outputs = []
+        for req in updated:
+            detok = self._detok.get(req.request_id)
+            if detok is not None and not req.status.finished:
+                stop = detok.update(req.output_token_ids[-1])
+                if stop is not None:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                    req.stop_reason = stop
+            elif detok is not None:
+                detok.update(req.output_token_ids[-1])
+            outputs.append(self._make_output(req))
+        return outputs
+
+    def _make_output(self, req: Request) -> RequestOutput:
+        finished = req.status.finished
+        detok = self._detok.get(req.request_id)
+        if detok is not None:
+            text = detok.text
+        elif finished and self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids,
+                                         skip_special_tokens=req.sampling_params.skip_special_tokens)
+        else:
+            text = ""
+        logprobs = cumulative = None
+        if req.logprobs is not None:
+            logprobs, cumulative = [], 0.0
+            for entry in req.logprobs:
+                d = {tid: Logprob(lp, None) for tid, lp in entry["top"].items()}
+                d[entry["token_id"]] = Logprob(entry["logprob"], entry["rank"])
+                logprobs.append(d)
+                cumulative += entry["logprob"]
+        completion = CompletionOutput(0, text, list(req.output_token_ids), cumulative, logprobs,
+                                      req.status.finish_reason, req.stop_reason)
+        prompt = self._prompts.get(req.request_id)
+        if finished:
+            self._detok.pop(req.request_id, None)
+            self._prompts.pop(req.request_id, None)
+        return RequestOutput(req.request_id, prompt, req.prompt_token_ids, [completion], finished)
+
+    def kv_cache_stats(self) -> dict:
+        stats = self.kv_manager.stats()
+        stats["num_preemptions"] = self.scheduler.num_preemptions
+        stats["num_running"] = len(self.scheduler.running)
+        stats["num_waiting"] = len(self.scheduler.waiting)
+        return stats

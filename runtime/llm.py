@@ -1,0 +1,62 @@
+"""`LLM`: offline batch generation in vLLM's shape."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.outputs import RequestOutput
+from runtime.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM("zoo/smollm2-135m.yaml")` or `LLM("/path/to/hf_checkpoint_dir")`."""
+
+    def __init__(self, model: str | Path, **kwargs: Any):
+        fields = set(EngineConfig.__dataclass_fields__)
+        unknown = set(kwargs) - fields
+        if unknown:
+            raise TypeError(f"LLM() got unknown argument(s): {', '.join(sorted(unknown))}; "
+                            f"known: {', '.join(sorted(fields))}")
+        self.engine = Engine(model, EngineConfig(**kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def kv_cache_stats(self) -> dict:
+        return self.engine.kv_cache_stats()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        engine = self.engine
+        # Validate everything before scheduling anything: one bad prompt leaves no work behind.
+        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        for req in requests:
+            engine.add_request(req)
+        order = {req.request_id: i for i, req in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        results[order[out.request_id]] = out
+                        bar.update(1)
+        except BaseException:
+            engine.abort([r.request_id for r in requests])
+            raise
+        finally:
+            bar.close()
+        return results

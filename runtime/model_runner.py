@@ -1,0 +1,156 @@
+"""The ModelRunner: persistent batch -> model inputs -> forward -> sampled tokens.
+
+Per step it applies the scheduler's delta to the persistent batch (rows leave, rows join,
+running rows get their new block ids), builds the flattened inputs with vectorised numpy
+gathers, plans attention once per KV cache group, runs the (optionally compiled) forward,
+and samples only the rows whose scheduled tokens reach the end of their sequence; a partial
+prefill chunk computes no logits and draws no random numbers, so chunking never changes
+what a request samples.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from attention import BatchLayout, ForwardContext, get_backend, set_forward_context
+from cache.kv_cache_spec import KVCacheConfig
+from models.builder import CausalLM
+from runtime.input_batch import InputBatch
+from runtime.sampler import Sampler, SamplingMetadata
+from runtime.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled: dict[str, int]            # req id -> new token (only rows that completed)
+    logprobs: dict[str, dict] | None   # req id -> {"token": (logprob, rank), "top": {id: logprob}}
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, kv_config: KVCacheConfig, *, max_num_reqs: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...], attention_backend: str = "torch",
+                 device: str | torch.device = "cpu", kv_dtype: torch.dtype = torch.float32,
+                 compile: bool = False):
+        self.model = model
+        self.device = torch.device(device)
+        self.kv_config = kv_config
+        self.eos_token_ids = eos_token_ids
+        self.backend = get_backend(attention_backend)
+        self.batch = InputBatch(max_num_reqs, max_model_len, [kv_config.block_size] * len(kv_config.groups))
+        self.layer_group = kv_config.layer_to_group()
+        self.kv_caches = self._allocate_kv_caches(kv_dtype)
+        self.sampler = Sampler()
+        self.forward = torch.compile(model.forward, dynamic=True, fullgraph=True) if compile else model.forward
+
+    def _allocate_kv_caches(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        caches = [None] * len(self.layer_group)
+        for group in self.kv_config.groups:
+            s = group.spec
+            shape = self.backend.kv_cache_shape(self.kv_config.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+            for layer in group.layer_ids:
+                caches[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
+        return caches
+
+    # ------------------------------------------------------------- batch delta
+    def _update_batch(self, so: SchedulerOutput) -> None:
+        b = self.batch
+        b.remove_requests(so.finished_req_ids)
+        b.remove_requests(so.preempted_req_ids, keep_generators=True)
+        for rid, new_ids in so.new_block_ids.items():
+            b.block_table.append_row(new_ids, b.req_id_to_row[rid])
+        for new in so.new_reqs:
+            b.add_request(new, self.eos_token_ids)
+
+    # ------------------------------------------------------------- one step
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_batch(so)
+        b = self.batch
+        rows = np.fromiter((b.req_id_to_row[r] for r in so.num_scheduled_tokens), dtype=np.int64,
+                           count=len(so.num_scheduled_tokens))
+        num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
+        if not len(rows):
+            return ModelRunnerOutput({}, None)
+        # Keep persistent-batch order (stable across steps) for the step's requests.
+        order = np.argsort(rows, kind="stable")
+        rows, num_sched = rows[order], num_sched[order]
+
+        cu = np.cumsum(num_sched)
+        total = int(cu[-1])
+        req_rows = np.repeat(rows, num_sched)
+        offsets = np.arange(total) - np.repeat(cu - num_sched, num_sched)
+        positions = b.num_computed_tokens[req_rows] + offsets
+        input_ids = b.token_ids[req_rows, positions]
+        seq_lens = b.num_computed_tokens[rows] + num_sched
+        query_start_loc = np.concatenate(([0], cu))
+
+        rows_t = torch.from_numpy(rows)
+        layer_meta = [None] * len(self.kv_caches)
+        for gid, group in enumerate(self.kv_config.groups):
+            table = b.block_table[gid]
+            layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
+                                 block_table=table.tensor[rows_t],
+                                 slot_mapping=torch.from_numpy(table.slot_mapping(req_rows, positions)),
+                                 block_size=table.block_size)
+            meta = self.backend.plan(layout, self.device)
+            for layer in group.layer_ids:
+                layer_meta[layer] = meta
+
+        # Rows that reach the end of their known tokens produce a token this step.
+        done = seq_lens >= b.num_tokens[rows]
+        logits_index = torch.from_numpy(cu[done] - 1).to(self.device)
+        with set_forward_context(ForwardContext(self.backend, layer_meta)):
+            hidden = self.forward(torch.from_numpy(input_ids).to(self.device),
+                                  torch.from_numpy(positions).to(self.device), self.kv_caches)
+        b.num_computed_tokens[rows] = seq_lens
+        sample_rows = rows[done]
+        if not len(sample_rows):
+            return ModelRunnerOutput({}, None)
+        logits = self.model.compute_logits(hidden[logits_index])
+        out = self.sampler(logits, self._sampling_metadata(sample_rows))
+
+        tokens = out.token_ids.cpu().numpy()
+        n = b.num_tokens[sample_rows]
+        b.token_ids[sample_rows, n] = tokens
+        b.num_tokens[sample_rows] = n + 1
+        req_ids = [b.req_ids[r] for r in sample_rows.tolist()]
+        sampled = dict(zip(req_ids, tokens.tolist()))
+        return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))
+
+    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+        b = self.batch
+        temperature = b.temperature[rows]
+        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
+        all_greedy = not temperature.any()
+        banned = None
+        output_len = b.num_tokens[rows] - b.num_prompt_tokens[rows]
+        young = np.flatnonzero(output_len < b.min_tokens[rows])
+        if len(young):
+            pairs = [(i, t) for i in young.tolist() for t in b.stop_ids[rows[i]]]
+            if pairs:
+                r, t = zip(*pairs)
+                banned = (torch.tensor(r), torch.tensor(t))
+        k = int(b.logprobs[rows].max())
+        return SamplingMetadata(
+            temperature=torch.from_numpy(temperature).to(self.device),
+            top_k=None if all_greedy or not top_k.any() else torch.from_numpy(top_k).to(self.device),
+            top_p=None if all_greedy or (top_p >= 1).all() else torch.from_numpy(top_p).to(self.device),
+            min_p=None if all_greedy or not min_p.any() else torch.from_numpy(min_p).to(self.device),
+            generators={} if all_greedy else b.row_generators(rows),
+            all_greedy=all_greedy, banned=banned, max_logprobs=None if k < 0 else k)
+
+    def _logprobs(self, out, req_ids: list[str], rows: np.ndarray) -> dict[str, dict] | None:
+        if out.logprobs is None:
+            return None
+        want = self.batch.logprobs[rows]
+        vals, ids, ranks = out.logprobs.tolist(), out.logprob_token_ids.tolist(), out.sampled_ranks.tolist()
+        result = {}
+        for i, rid in enumerate(req_ids):
+            if want[i] < 0:
+                continue
+            k = int(want[i])
+            top = {tid: lp for tid, lp in zip(ids[i][1:1 + k], vals[i][1:1 + k])}
+            result[rid] = {"token_id": ids[i][0], "logprob": vals[i][0], "rank": ranks[i], "top": top}
+        return result

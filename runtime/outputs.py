@@ -1,0 +1,31 @@
+"""Result types in vLLM's shape: RequestOutput with one CompletionOutput per sample."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None      # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False

@@ -1,0 +1,88 @@
+"""Request: one prompt's token sequence from admission to finished output."""
+from __future__ import annotations
+
+import enum
+import time
+
+from runtime.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                RequestStatus.FINISHED_ABORTED: "abort"}.get(self)
+
+
+class Request:
+    """Scheduling state: the scheduler moves `num_computed_tokens` toward
+    `num_tokens_with_spec` (prompt + output, + draft tokens once speculation lands)."""
+
+    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "output_token_ids",
+                 "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
+                 "num_preemptions", "eos_token_ids", "max_tokens", "logprobs")
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 eos_token_ids: tuple[int, ...], max_tokens: int):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.arrival_time = time.monotonic()
+        self.num_preemptions = 0
+        self.eos_token_ids = eos_token_ids
+        self.max_tokens = max_tokens        # resolved: never past max_model_len
+        self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Set a finished status if the last token ends the request."""
+        params = self.sampling_params
+        n = self.num_output_tokens
+        last = self.output_token_ids[-1]
+        if n >= params.min_tokens:
+            if last in self.eos_token_ids and not params.ignore_eos:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in params.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = last
+                return True
+        if n >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

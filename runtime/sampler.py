@@ -1,0 +1,97 @@
+"""The Sampler: one vectorised pass over the batch's logits.
+
+Greedy rows take the argmax; the others are scaled by temperature, filtered by top-k,
+top-p and min-p, and sampled with the exponential-race trick (argmax of p / q with
+q ~ Exp(1)), which needs no cumulative search and lets seeded rows draw their q from their
+own generator while the rest share one draw. Only the seeded rows are looped over, to
+fill their q; nothing loops over tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    temperature: torch.Tensor          # [n] float32, 0 = greedy
+    top_k: torch.Tensor | None         # [n] int64, 0 = off; None when no row uses it
+    top_p: torch.Tensor | None         # [n] float32
+    min_p: torch.Tensor | None         # [n] float32
+    generators: dict[int, torch.Generator]   # row -> per-request generator (seeded rows)
+    all_greedy: bool
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    max_logprobs: int | None = None    # top-k logprobs to return (None: none requested)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor                    # [n] int64
+    logprobs: torch.Tensor | None = None       # [n, 1 + k] sampled first, then top-k
+    logprob_token_ids: torch.Tensor | None = None
+    sampled_ranks: torch.Tensor | None = None  # [n] rank of the sampled token (1 = best)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                       top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask logits outside each row's top-k / nucleus with -inf (one sort for both)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab)
+        drop |= ranks[None, :] >= k[:, None]
+    if top_p is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs      # mass strictly ahead of each token
+        drop |= before > top_p[:, None]            # the first token is always kept
+    masked = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, masked)
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()
+        if meta.banned is not None:
+            rows, tokens = meta.banned
+            logits[rows, tokens] = float("-inf")
+        raw = logits
+        if meta.all_greedy:
+            sampled = logits.argmax(dim=-1)
+        else:
+            sampled = self._sample(logits, meta)
+        out = SamplerOutput(token_ids=sampled)
+        if meta.max_logprobs is not None:
+            self._gather_logprobs(raw, sampled, meta.max_logprobs, out)
+        return out
+
+    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        greedy_rows = meta.temperature == 0
+        greedy = logits.argmax(dim=-1)
+        temp = torch.where(greedy_rows, 1.0, meta.temperature)
+        logits = logits / temp[:, None]
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(dim=-1)
+        if meta.min_p is not None:
+            floor = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            probs = probs.masked_fill(probs < floor, 0.0)
+        q = torch.empty_like(probs).exponential_()
+        for row, gen in meta.generators.items():
+            q[row].exponential_(generator=gen)
+        sampled = (probs / q).argmax(dim=-1)
+        return torch.where(greedy_rows, greedy, sampled)
+
+    @staticmethod
+    def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(-1, sampled[:, None])
+        out.sampled_ranks = (logprobs > chosen).sum(dim=-1) + 1
+        if k > 0:
+            top_vals, top_ids = logprobs.topk(k, dim=-1)
+            out.logprobs = torch.cat([chosen, top_vals], dim=-1)
+            out.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=-1)
+        else:
+            out.logprobs, out.logprob_token_ids = chosen, sampled[:, None]

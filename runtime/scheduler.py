@@ -1,0 +1,175 @@
+"""The Scheduler: iteration-level scheduling under one token budget.
+
+There are no prefill or decode phases. Each step every chosen request's
+`num_computed_tokens` moves toward `num_tokens_with_spec`, within `max_num_batched_tokens`
+in total: a long prompt is simply scheduled a chunk at a time (chunked prefill), a decode
+is a request one token behind. Running requests go first, in admission order; waiting ones
+are admitted FCFS while the budget, `max_num_seqs` and the KV pool allow. When the pool runs
+dry, the most recently admitted running request is preempted by recompute: its blocks are
+freed and it rejoins the head of the waiting queue.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from cache.manager import KVCacheManager
+from runtime.request import Request, RequestStatus
+from runtime.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request entering the runner's persistent batch (first time, or resumed after a
+    preemption: then its token ids include the output so far, recomputed from scratch)."""
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    new_block_ids: dict[str, list[list[int]]] = field(default_factory=dict)   # running reqs
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    total_num_scheduled_tokens: int = 0
+    finished_req_ids: set[str] = field(default_factory=set)   # leave the batch before this step
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+class Scheduler:
+    def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int):
+        self.kv = kv_cache_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._finished_since_last_step: set[str] = set()
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------- admission / removal
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> None:
+        """End requests from outside the step (aborts, stop strings); frees their blocks."""
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.status.finished:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._free(req)
+
+    def _free(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        self._finished_since_last_step.add(req.request_id)
+        del self.requests[req.request_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------- one step
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_last_step)
+        self._finished_since_last_step = set()
+        budget = self.max_num_batched_tokens
+        scheduled: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
+                if new_ids is not None:
+                    break
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if new_ids is None:
+                break
+            out.new_block_ids[req.request_id] = new_ids
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+            scheduled.append(req)
+            i += 1
+
+        # Admit waiting requests, unless this step already had to preempt (no room).
+        while self.waiting and budget > 0 and not out.preempted_req_ids \
+                and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
+            if new_ids is None:
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.new_reqs.append(NewRequestData(
+                req_id=req.request_id, token_ids=list(req.all_token_ids),
+                num_prompt_tokens=req.num_prompt_tokens, sampling_params=req.sampling_params,
+                block_ids=self.kv.get_block_ids(req.request_id),
+                num_computed_tokens=req.num_computed_tokens))
+            out.num_scheduled_tokens[req.request_id] = num_new
+            budget -= num_new
+
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted_req_ids.add(req.request_id)
+        out.new_block_ids.pop(req.request_id, None)
+        out.num_scheduled_tokens.pop(req.request_id, None)
+
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               logprobs: dict[str, dict] | None = None) -> list[Request]:
+        """Advance computed tokens, append sampled tokens, finish requests that stop.
+
+        `sampled` holds a token only for requests whose scheduled tokens reached the end of
+        their sequence (a partial prefill chunk samples nothing). Returns the requests that
+        got a new token (finished ones have a finished status and no blocks any more).
+        """
+        updated: list[Request] = []
+        for rid, num in out.num_scheduled_tokens.items():
+            req = self.requests.get(rid)
+            if req is None:   # aborted while the step ran
+                continue
+            req.num_computed_tokens += num
+            token = sampled.get(rid)
+            if token is None:
+                continue
+            req.append_output_token(token)
+            if req.logprobs is not None and logprobs is not None:
+                req.logprobs.append(logprobs[rid])
+            updated.append(req)
+            if req.check_stop():
+                self.running.remove(req)
+                self._free(req)
+        return updated
