@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random HF checkpoints saved with save_pretrained, and HF greedy
+references computed once per session."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+TINY_VOCAB = 512
+
+
+def _tiny_config(family: str):
+    from transformers import LlamaConfig, Qwen3Config
+    # initializer_range 0.2: with the default 0.02 tiny models collapse to one repeated
+    # token and parity would pass for the wrong reason (tests assert outputs vary).
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=False)
+    return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf(tmp_path_factory):
+    """family -> (hf_dir, HF model in eval mode)."""
+    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            torch.manual_seed(0)
+            cls = LlamaForCausalLM if family == "llama" else Qwen3ForCausalLM
+            model = cls(_tiny_config(family)).eval()
+            path = tmp_path_factory.mktemp(family)
+            model.save_pretrained(path)
+            cache[family] = (path, model)
+        return cache[family]
+
+    return get
+
+
+def hf_greedy(model, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """HF `generate`, one prompt at a time (no padding), greedy, exactly `new_tokens`."""
+    out = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out

@@ -1,0 +1,416 @@
+"""Scheduler + KVCacheManager under random add / step / abort sequences.
+
+A fake runner stands in for the model: it mirrors the runner's persistent block table from
+the SchedulerOutput deltas alone and samples a deterministic token for every request whose
+scheduled tokens reach the end of its sequence. After every rule the pool's bookkeeping, the
+scheduler's limits and the mirrored block tables are checked against each other.
+"""
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+torch.set_num_threads(1)
+
+from cache.kv_cache_spec import FullAttentionSpec  # noqa: E402
+from cache.manager import KVCacheManager  # noqa: E402
+from cache.sizing import make_kv_cache_config  # noqa: E402
+from runtime.request import Request, RequestStatus  # noqa: E402
+from runtime.sampling_params import SamplingParams  # noqa: E402
+from runtime.scheduler import Scheduler  # noqa: E402
+
+BLOCK_SIZE = 4
+
+
+def ceil_div(a, b):
+    return -(-a // b)
+
+
+def fake_token(req: Request) -> int:
+    """Deterministic in (request, position), so a recomputed request samples the same."""
+    return (len(req.all_token_ids) * 7 + int(req.request_id[1:]) * 13) % 1000 + 1
+
+
+class FakeRunner:
+    """Applies SchedulerOutput deltas the way ModelRunner._update_batch does."""
+
+    def __init__(self):
+        self.tables: dict[str, list[list[int]]] = {}
+        self.tokens: dict[str, list[int]] = {}
+
+    def execute(self, sched: Scheduler, out) -> dict[str, int]:
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.tables.pop(rid, None)
+            self.tokens.pop(rid, None)
+        for rid, new_ids in out.new_block_ids.items():
+            assert rid in self.tables, f"block delta for {rid} which is not in the batch"
+            for table, ids in zip(self.tables[rid], new_ids):
+                table.extend(ids)
+        for new in out.new_reqs:
+            assert new.req_id not in self.tables, f"{new.req_id} added twice"
+            req = sched.requests[new.req_id]
+            assert new.token_ids == req.all_token_ids
+            assert new.num_prompt_tokens == req.num_prompt_tokens
+            assert new.num_computed_tokens == req.num_computed_tokens == 0  # no prefix cache yet
+            self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
+            self.tokens[new.req_id] = list(new.token_ids)
+        sampled = {}
+        for rid, num in out.num_scheduled_tokens.items():
+            req = sched.requests[rid]
+            assert num >= 1
+            end = req.num_computed_tokens + num
+            assert end <= req.num_tokens, f"{rid} scheduled past its known tokens"
+            # The batch knows every token it is asked to compute.
+            assert len(self.tokens[rid]) >= end
+            # Every token of the step has a slot in the mirrored table, in every group.
+            for table in self.tables[rid]:
+                assert len(table) == ceil_div(end, BLOCK_SIZE)
+            if end == req.num_tokens:
+                tok = fake_token(req)
+                sampled[rid] = tok
+                self.tokens[rid].append(tok)
+        return sampled
+
+
+def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, num_groups=1):
+    specs = {layer: FullAttentionSpec(BLOCK_SIZE, 1 + layer, 8, torch.float32)
+             for layer in range(num_groups)}
+    cfg = make_kv_cache_config(specs, BLOCK_SIZE, num_blocks=num_blocks, min_tokens=max_model_len)
+    kv = KVCacheManager(cfg)
+    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     max_model_len=max_model_len)
+
+
+def check_pool(sched: Scheduler, live_ids=None) -> None:
+    kv = sched.kv
+    pool = kv.pool
+    owner: dict[int, str] = {}
+    for m in kv.managers:
+        for rid, blocks in m.req_to_blocks.items():
+            for b in blocks:
+                assert not b.is_null, f"{rid} owns the null block"
+                assert b.block_id not in owner, f"block {b.block_id} owned by {owner[b.block_id]} and {rid}"
+                owner[b.block_id] = rid
+                assert b.ref_cnt == 1, f"owned {b} has ref_cnt {b.ref_cnt}"
+                assert not pool.free_block_queue.contains(b)
+    free_ids = pool.free_block_queue.block_ids()
+    assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
+    assert 0 not in free_ids
+    for bid in free_ids:
+        assert pool.blocks[bid].ref_cnt == 0
+    assert set(free_ids).isdisjoint(owner)
+    assert len(free_ids) + len(owner) == pool.num_blocks - 1
+    assert all(b.ref_cnt >= 0 for b in pool.blocks)
+    assert pool.null_block.ref_cnt == 1
+    # Only live (running) requests own blocks; owners are all known to the scheduler.
+    running_ids = {r.request_id for r in sched.running}
+    for m in kv.managers:
+        holders = {rid for rid, bl in m.req_to_blocks.items() if bl}
+        assert holders <= running_ids, f"non-running requests hold blocks: {holders - running_ids}"
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(num_blocks=st.integers(6, 40), max_num_seqs=st.integers(1, 8),
+                max_num_batched_tokens=st.integers(3, 64), num_groups=st.sampled_from([1, 1, 2]))
+    def setup(self, num_blocks, max_num_seqs, max_num_batched_tokens, num_groups):
+        # The pool must hold one full-length request (make_kv_cache_config enforces it).
+        self.max_model_len = min(64, (num_blocks - 1) * BLOCK_SIZE)
+        self.sched = make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens,
+                                    self.max_model_len, num_groups)
+        self.runner = FakeRunner()
+        self.next_id = 0
+        self.finished: dict[str, Request] = {}
+        self.expected_len: dict[str, int] = {}
+        self.aborted: set[str] = set()
+
+    # ------------------------------------------------------------- rules
+    @rule(data=st.data(), max_tokens=st.integers(1, 20), min_tokens=st.integers(0, 3),
+          stop_token=st.none() | st.integers(1, 1000))
+    def add_request(self, data, max_tokens, min_tokens, stop_token):
+        prompt_len = data.draw(st.integers(1, min(40, self.max_model_len - 1)), label="prompt_len")
+        rid = f"r{self.next_id}"
+        self.next_id += 1
+        min_tokens = min(min_tokens, max_tokens)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=min_tokens,
+                                stop_token_ids=[] if stop_token is None else [stop_token])
+        resolved = min(max_tokens, self.max_model_len - prompt_len)
+        req = Request(rid, list(range(3, 3 + prompt_len)), params, eos_token_ids=(),
+                      max_tokens=resolved)
+        self.sched.add_request(req)
+        self.expected_len[rid] = resolved
+        assert req.status == RequestStatus.WAITING
+        assert self.sched.waiting[-1] is req
+
+    @rule()
+    def step(self):
+        self._step()
+
+    @precondition(lambda self: self.sched.requests)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.sched.requests)), label="abort")
+        req = self.sched.requests[rid]
+        free_before = self.sched.kv.num_free_blocks()
+        held = sum(len(b) for b in self.sched.kv.get_block_ids(rid))
+        self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        assert req.status == RequestStatus.FINISHED_ABORTED
+        assert rid not in self.sched.requests
+        assert req not in self.sched.running and req not in self.sched.waiting
+        assert self.sched.kv.num_free_blocks() == free_before + held
+        self.aborted.add(rid)
+        self.finished[rid] = req
+        # Aborting again (or an unknown id) is a no-op.
+        self.sched.finish_requests([rid, "nope"], RequestStatus.FINISHED_ABORTED)
+        assert req.status == RequestStatus.FINISHED_ABORTED
+
+    # ------------------------------------------------------------- step + its checks
+    def _step(self):
+        sched = self.sched
+        running_before = list(sched.running)
+        computed_before = {r.request_id: r.num_computed_tokens for r in sched.requests.values()}
+        preemptions_before = sched.num_preemptions
+        out = sched.schedule()
+
+        # Budget and limits.
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+        assert len(sched.running) <= sched.max_num_seqs
+        assert set(out.num_scheduled_tokens) <= {r.request_id for r in sched.running}
+        assert sched.num_preemptions - preemptions_before == len(out.preempted_req_ids)
+        for rid in out.preempted_req_ids:
+            req = sched.requests[rid]
+            assert req.status == RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+            assert req in sched.waiting and rid not in out.num_scheduled_tokens
+            assert rid not in out.new_block_ids
+        if out.preempted_req_ids:
+            assert not out.new_reqs, "admitted new requests in a step that had to preempt"
+        # Running order: survivors keep their order, admissions join at the end.
+        survivors = [r for r in running_before if r in sched.running]
+        assert sched.running[:len(survivors)] == survivors
+        assert [n.req_id for n in out.new_reqs] == \
+            [r.request_id for r in sched.running[len(survivors):]]
+        # Preemption victims are the most recently admitted: nobody before a victim left.
+        if out.preempted_req_ids:
+            left = [r.request_id for r in running_before if r not in sched.running]
+            assert set(left) == out.preempted_req_ids
+            assert running_before[-len(left):] == [r for r in running_before if r not in sched.running]
+        # Blocks cover exactly what will have been computed after this step.
+        for req in sched.running:
+            n = req.num_computed_tokens + out.num_scheduled_tokens.get(req.request_id, 0)
+            for ids in sched.kv.get_block_ids(req.request_id):
+                assert len(ids) == ceil_div(n, BLOCK_SIZE), (req.request_id, n, ids)
+        check_pool(sched)
+
+        sampled = self.runner.execute(sched, out)
+        updated = sched.update(out, sampled)
+        assert {r.request_id for r in updated} == set(sampled)
+        for rid, num in out.num_scheduled_tokens.items():
+            req = next(r for r in updated if r.request_id == rid) if rid in sampled else sched.requests[rid]
+            base = 0 if rid in {n.req_id for n in out.new_reqs} else computed_before[rid]
+            assert req.num_computed_tokens == base + num
+        for req in updated:
+            assert req.output_token_ids[-1] == sampled[req.request_id]
+            if req.status.finished:
+                assert req.request_id not in sched.requests
+                assert req not in sched.running
+                assert sched.kv.get_block_ids(req.request_id) == [[]] * sched.kv.num_groups
+                self.finished[req.request_id] = req
+                if req.status == RequestStatus.FINISHED_LENGTH:
+                    assert req.num_output_tokens == self.expected_len[req.request_id]
+                else:
+                    assert req.status == RequestStatus.FINISHED_STOPPED
+                    assert req.output_token_ids[-1] in req.sampling_params.stop_token_ids
+                    assert req.num_output_tokens >= req.sampling_params.min_tokens
+            else:
+                assert req.num_output_tokens < self.expected_len[req.request_id]
+        return out
+
+    # ------------------------------------------------------------- invariants
+    @invariant()
+    def pool_consistent(self):
+        check_pool(self.sched)
+
+    @invariant()
+    def holdings_match_computed(self):
+        sched = self.sched
+        assert len(sched.running) <= sched.max_num_seqs
+        assert set(sched.requests) == {r.request_id for r in sched.running} | \
+            {r.request_id for r in sched.waiting}
+        assert len(sched.requests) == len(sched.running) + len(sched.waiting)
+        for req in sched.running:
+            assert req.status == RequestStatus.RUNNING
+            assert req.num_computed_tokens < req.num_tokens
+            for ids in sched.kv.get_block_ids(req.request_id):
+                assert len(ids) == ceil_div(req.num_computed_tokens, BLOCK_SIZE)
+            # The runner's mirrored table is the manager's table.
+            assert self.runner.tables[req.request_id] == sched.kv.get_block_ids(req.request_id)
+            assert self.runner.tokens[req.request_id] == req.all_token_ids
+        for req in sched.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert req.num_computed_tokens == 0
+            assert sched.kv.get_block_ids(req.request_id) == [[]] * sched.kv.num_groups
+        for req in sched.running + list(sched.waiting):
+            assert req.num_tokens <= self.max_model_len
+            assert req.output_token_ids == [fake_token_at(req, i) for i in range(req.num_output_tokens)]
+
+    def teardown(self):
+        sched = getattr(self, "sched", None)
+        if sched is None:
+            return
+        # Every request finishes: max_tokens is finite and one request always fits the pool.
+        bound = 10 + sum(r.num_tokens + self.expected_len[rid] for rid, r in sched.requests.items()) * 4
+        for _ in range(bound):
+            if not sched.has_unfinished():
+                break
+            self._step()
+            check_pool(sched)
+        assert not sched.has_unfinished(), f"not finished after {bound} steps"
+        assert sched.requests == {}
+        assert not sched.running and not sched.waiting
+        assert sched.kv.num_free_blocks() == sched.kv.pool.num_blocks - 1, "blocks leaked"
+        assert all(m.req_to_blocks == {} for m in sched.kv.managers)
+        for rid, req in self.finished.items():
+            assert req.status.finished
+            if rid not in self.aborted and req.status == RequestStatus.FINISHED_LENGTH:
+                assert req.num_output_tokens == self.expected_len[rid]
+        # The step after the last finish reports them to the runner, and nothing else.
+        out = sched.schedule()
+        assert out.is_empty and not out.new_reqs and not out.num_scheduled_tokens
+
+
+def fake_token_at(req: Request, i: int) -> int:
+    """The token fake_token gives when the request held prompt + i tokens."""
+    return ((req.num_prompt_tokens + i) * 7 + int(req.request_id[1:]) * 13) % 1000 + 1
+
+
+def test_scheduler_state_machine():
+    run_state_machine_as_test(
+        SchedulerMachine,
+        settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
+                          suppress_health_check=list(HealthCheck), derandomize=True),
+    )
+
+
+# ----------------------------------------------------------------- plain tests
+def _run_to_completion(sched, runner, max_steps=2000):
+    steps = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        assert out.total_num_scheduled_tokens <= sched.max_num_batched_tokens
+        check_pool(sched)
+        sched.update(out, runner.execute(sched, out))
+        check_pool(sched)
+        steps += 1
+        assert steps < max_steps, "scheduler did not terminate"
+    return steps
+
+
+def test_forced_preemption_all_finish_with_full_output():
+    # 12 usable blocks of 4 tokens = 48 tokens; four requests that each grow to 35 tokens.
+    sched = make_scheduler(num_blocks=13, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=48)
+    runner = FakeRunner()
+    reqs = []
+    for i in range(4):
+        params = SamplingParams(temperature=0.0, max_tokens=20)
+        req = Request(f"r{i}", list(range(10 + i, 25 + i)), params, eos_token_ids=(), max_tokens=20)
+        sched.add_request(req)
+        reqs.append(req)
+    _run_to_completion(sched, runner)
+    assert sched.num_preemptions > 0
+    assert sum(r.num_preemptions for r in reqs) == sched.num_preemptions
+    for req in reqs:
+        assert req.status == RequestStatus.FINISHED_LENGTH
+        assert req.num_output_tokens == 20
+        # Recompute after preemption keeps the output produced before it.
+        assert req.output_token_ids == [fake_token_at(req, i) for i in range(20)]
+    # The first admitted request is never the victim while others run behind it.
+    assert reqs[0].num_preemptions == 0
+    assert sched.kv.num_free_blocks() == 12
+    assert sched.requests == {}
+
+
+def test_preemption_victim_is_newest_and_requeued_first():
+    # 5 usable blocks: two requests of 8 tokens (2 blocks each) then both grow.
+    sched = make_scheduler(num_blocks=6, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=20)
+    runner = FakeRunner()
+    a = Request("r0", list(range(8)), SamplingParams(temperature=0.0, max_tokens=12), (), 12)
+    b = Request("r1", list(range(8)), SamplingParams(temperature=0.0, max_tokens=12), (), 12)
+    c = Request("r2", [1, 2], SamplingParams(temperature=0.0, max_tokens=1), (), 1)
+    for r in (a, b, c):
+        sched.add_request(r)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r0": 8, "r1": 8}      # r2 waits: 1 block left, max_num_seqs 2
+    assert [n.req_id for n in out.new_reqs] == ["r0", "r1"]
+    sched.update(out, runner.execute(sched, out))              # both sample: 9 tokens each
+    out = sched.schedule()                                     # r0 needs a 3rd block, r1 too: 1 free
+    assert out.preempted_req_ids == {"r1"}
+    assert out.num_scheduled_tokens == {"r0": 1}
+    assert out.new_block_ids == {"r0": [[5]]}
+    assert list(sched.waiting) == [b, c]                       # requeued at the head
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.output_token_ids == [fake_token_at(b, 0)]
+    assert not out.new_reqs                                    # no admission in a preempting step
+    sched.update(out, runner.execute(sched, out))
+    _run_to_completion(sched, runner)
+    assert a.num_output_tokens == b.num_output_tokens == 12 and c.num_output_tokens == 1
+    assert a.num_preemptions == 0 and b.num_preemptions >= 1
+    assert sched.kv.num_free_blocks() == 5
+
+
+def test_chunked_prefill_respects_budget_and_samples_only_at_end():
+    sched = make_scheduler(num_blocks=20, max_num_seqs=2, max_num_batched_tokens=5, max_model_len=40)
+    runner = FakeRunner()
+    req = Request("r0", list(range(13)), SamplingParams(temperature=0.0, max_tokens=2), (), 2)
+    sched.add_request(req)
+    chunks = []
+    while req.num_output_tokens == 0:
+        out = sched.schedule()
+        chunks.append(out.num_scheduled_tokens["r0"])
+        sampled = runner.execute(sched, out)
+        assert ("r0" in sampled) == (sum(chunks) == 13)
+        sched.update(out, sampled)
+    assert chunks == [5, 5, 3]
+    assert sched.kv.get_block_ids("r0") == [[1, 2, 3, 4]]
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r0": 1}               # a decode is one token
+    sched.update(out, runner.execute(sched, out))
+    assert req.status == RequestStatus.FINISHED_LENGTH
+    assert sched.kv.num_free_blocks() == 19
+
+
+def test_abort_waiting_and_running_frees_and_reports():
+    sched = make_scheduler(num_blocks=10, max_num_seqs=1, max_num_batched_tokens=64, max_model_len=36)
+    runner = FakeRunner()
+    a = Request("r0", list(range(6)), SamplingParams(temperature=0.0, max_tokens=5), (), 5)
+    b = Request("r1", list(range(6)), SamplingParams(temperature=0.0, max_tokens=5), (), 5)
+    sched.add_request(a)
+    sched.add_request(b)
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(Request("r0", [1], SamplingParams(), (), 1))
+    out = sched.schedule()
+    assert list(out.num_scheduled_tokens) == ["r0"]            # max_num_seqs 1
+    sched.update(out, runner.execute(sched, out))
+    sched.finish_requests(["r1"], RequestStatus.FINISHED_ABORTED)   # waiting
+    sched.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)   # running
+    assert a.status == b.status == RequestStatus.FINISHED_ABORTED
+    assert sched.kv.num_free_blocks() == 9
+    assert not sched.has_unfinished()
+    out = sched.schedule()
+    assert out.finished_req_ids == {"r0", "r1"} and out.is_empty
+    assert sched.schedule().finished_req_ids == set()
+
+
+def test_abort_between_schedule_and_update():
+    sched = make_scheduler(num_blocks=10, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=36)
+    runner = FakeRunner()
+    a = Request("r0", list(range(6)), SamplingParams(temperature=0.0, max_tokens=5), (), 5)
+    sched.add_request(a)
+    out = sched.schedule()
+    sampled = runner.execute(sched, out)
+    sched.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
+    assert sched.update(out, sampled) == []
+    assert a.output_token_ids == [] and a.status == RequestStatus.FINISHED_ABORTED
+    assert sched.kv.num_free_blocks() == 9
+    check_pool(sched)
