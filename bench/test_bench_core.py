@@ -59,7 +59,8 @@ def _decode_scheduler() -> tuple[Scheduler, list[Request]]:
             for i in range(NUM_REQS)]
     for r in reqs:
         sched.add_request(r)
-    # Prefill in 2048-token chunks; a request samples once its chunk reaches its last token.
+    # Prefill under a 2048-token budget (about 51 prompts a step); a request samples once its
+    # scheduled tokens reach its last token.
     for _ in range(20):
         so = sched.schedule()
         if so.is_empty:
@@ -70,8 +71,9 @@ def _decode_scheduler() -> tuple[Scheduler, list[Request]]:
         if all(r.num_output_tokens >= 1 for r in reqs):
             break
     assert not sched.waiting and len(sched.running) == NUM_REQS
+    # Early admissions decode while later ones still prefill, so output counts differ.
     assert all(r.status == RequestStatus.RUNNING and r.num_computed_tokens == r.num_tokens - 1
-               and r.num_output_tokens == 1 for r in reqs), "setup: every request should be in decode"
+               and r.num_output_tokens >= 1 for r in reqs), "setup: every request should be in decode"
     return sched, reqs
 
 

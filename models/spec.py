@@ -147,6 +147,13 @@ class ModelSpec:
 
 # ---------------------------------------------------------------- parsing
 
+def _suggest(word: Any, options) -> str:
+    """' (did you mean 'x'?)' for a likely typo (a prefix or a close spelling), else ''."""
+    word = str(word)
+    near = [o for o in options if word and o.startswith(word)] or difflib.get_close_matches(word, options, n=1)
+    return f" (did you mean '{near[0]}'?)" if near else ""
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
@@ -169,9 +176,7 @@ def _build(cls: type, data: Any, where: str, fail) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_file"}
     for key in data:
         if key not in fields:
-            near = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean '{near[0]}'?)" if near else ""
-            fail(_join(where, key), f"unknown field{hint}")
+            fail(_join(where, key), f"unknown field{_suggest(key, list(fields))}")
     kwargs = {}
     for name, f in fields.items():
         sub = _join(where, name)
@@ -223,8 +228,7 @@ def _validate(spec: ModelSpec, fail) -> None:
         if kind in PLANNED_LAYER_KINDS:
             fail(f"{kinds_field}[{i}]", f"layer kind '{kind}' is declared but not built yet")
         if kind not in IMPLEMENTED_LAYER_KINDS:
-            near = difflib.get_close_matches(str(kind), IMPLEMENTED_LAYER_KINDS + PLANNED_LAYER_KINDS, n=1)
-            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            hint = _suggest(kind, IMPLEMENTED_LAYER_KINDS + PLANNED_LAYER_KINDS)
             fail(f"{kinds_field}[{i}]", f"unknown layer kind {kind!r}{hint}")
     choices = [("mlp.activation", spec.mlp.activation, ACTIVATIONS),
                ("dtype", spec.dtype, DTYPES),

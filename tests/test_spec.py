@@ -1,0 +1,129 @@
+"""Spec parsing: the zoo loads, `extends:` merges, and every user error is one precise line."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from models import SpecError, load_spec, resolve_spec
+from models.import_hf import main as import_hf_main
+from models.spec import spec_to_dict
+
+ZOO = Path(__file__).resolve().parent.parent / "zoo"
+
+
+def test_zoo_specs_load():
+    smol = load_spec(ZOO / "smollm2-135m.yaml")
+    assert (smol.num_layers, smol.hidden_size, smol.attention.num_kv_heads) == (30, 576, 3)
+    assert smol.layer_kinds == ["full_attention"] * 30
+    assert smol.tie_word_embeddings and smol.checkpoint.source == "embedded"
+
+
+def test_extends_merges_and_overrides():
+    tiny = load_spec(ZOO / "smollm2-tiny.yaml")
+    assert tiny.hidden_size == 64 and tiny.num_layers == 2
+    assert tiny.vocab_size == 49152                     # inherited
+    assert tiny.rope.theta == 100000.0                  # inherited nested field
+    assert tiny.attention.head_dim == 16                # overridden nested field
+    assert tiny.checkpoint.source == "dummy" and tiny.checkpoint.seed == 0
+
+
+def _write(tmp_path: Path, data, name="x.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return p
+
+
+def _base() -> dict:
+    return spec_to_dict(load_spec(ZOO / "smollm2-tiny.yaml"))
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d["layers"].update(pattern=["full_attention", "full_attention", "ful"]),
+     "layers.pattern[2]: unknown layer kind 'ful' (did you mean 'full_attention'?)"),
+    (lambda d: d["layers"].update(kinds=["full_attention"]),
+     "layers.kinds: lists 1 layers but layers.num is 2"),
+    (lambda d: d["layers"].update(pattern=["mamba2"]),
+     "layers.pattern[0]: layer kind 'mamba2' is declared but not built yet"),
+    (lambda d: d.update(hiden_size=3), "hiden_size: unknown field (did you mean 'hidden_size'?)"),
+    (lambda d: d.pop("vocab_size"), "vocab_size: required field is missing"),
+    (lambda d: d["attention"].update(num_heads="four"), "attention.num_heads: expected int, got str 'four'"),
+    (lambda d: d["attention"].update(num_kv_heads=3), "attention.num_kv_heads: num_heads 4 is not a multiple"),
+    (lambda d: d["mlp"].update(activation="relu"), "mlp.activation: 'relu' is not one of silu, gelu_tanh, gelu"),
+    (lambda d: d.update(hidden_size=0), "hidden_size: must be > 0, got 0"),
+    (lambda d: d["checkpoint"].update(source="hf", path=None), "checkpoint.path: source 'hf' needs a path"),
+    (lambda d: d.update(weight_names={"qq": "x"}), "weight_names.qq: unknown weight key"),
+    (lambda d: d["rope"].update(type="yarn"), "rope.type: 'yarn' is not one of"),
+])
+def test_spec_errors_name_file_and_field(tmp_path, mutate, message):
+    data = _base()
+    mutate(data)
+    path = _write(tmp_path, data)
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    text = str(e.value)
+    assert text.startswith(f"{path}: ") and message in text
+    assert "\n" not in text
+
+
+def test_malformed_yaml_names_line(tmp_path):
+    path = _write(tmp_path, "name: x\nlayers: [unclosed\nvocab_size: 3\n")
+    with pytest.raises(SpecError, match=r"x\.yaml: line \d+, column \d+: malformed YAML"):
+        load_spec(path)
+
+
+def test_yaml_is_safe_loaded(tmp_path):
+    path = _write(tmp_path, "name: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(SpecError, match="malformed YAML"):
+        load_spec(path)
+
+
+def test_extends_cycle_and_missing_base(tmp_path):
+    _write(tmp_path, {"extends": "b.yaml"}, "a.yaml")
+    _write(tmp_path, {"extends": "a.yaml"}, "b.yaml")
+    with pytest.raises(SpecError, match="extends: cycle"):
+        load_spec(tmp_path / "a.yaml")
+    missing = _write(tmp_path, {"extends": "nope.yaml"}, "c.yaml")
+    with pytest.raises(SpecError, match="nope.yaml: cannot read spec"):
+        load_spec(missing)
+
+
+def test_nonexistent_model_path():
+    with pytest.raises(SpecError, match="no such spec file or checkpoint directory"):
+        resolve_spec("zoo/does-not-exist.yaml")
+
+
+def test_import_hf_roundtrip(tiny_hf, tmp_path):
+    hf_dir, _ = tiny_hf("qwen3")
+    derived = resolve_spec(hf_dir)
+    assert derived.attention.qk_norm and derived.tie_word_embeddings
+    assert (derived.attention.head_dim, derived.num_layers, derived.vocab_size) == (32, 2, 512)
+    out = tmp_path / "sub" / "qwen3.yaml"
+    out.parent.mkdir()
+    assert import_hf_main([str(hf_dir), "-o", str(out)]) == 0
+    written = load_spec(out)
+    assert not Path(yaml.safe_load(out.read_text())["checkpoint"]["path"]).is_absolute()
+    assert written.resolve_path(written.checkpoint.path).resolve() == Path(hf_dir).resolve()
+    a, b = spec_to_dict(written), spec_to_dict(derived)
+    a["checkpoint"].pop("path"), b["checkpoint"].pop("path")
+    assert a == b
+
+
+def test_import_hf_unsupported_family(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(SpecError, match=r"config.json: model_type: 'gpt2' is not supported yet"):
+        resolve_spec(tmp_path)
+
+
+def test_cli_error_is_one_line(tmp_path):
+    bad = _write(tmp_path, {**_base(), "layers": {"num": 2, "pattern": ["ful"]}})
+    proc = subprocess.run([sys.executable, "-m", "runtime.generate", str(bad), "--prompt", "hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {bad}: layers.pattern[0]: unknown layer kind 'ful' " \
+                                  f"(did you mean 'full_attention'?)"
+    assert "Traceback" not in proc.stderr
