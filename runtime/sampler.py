@@ -33,31 +33,54 @@ class SamplerOutput:
     sampled_ranks: torch.Tensor | None = None  # [n] rank of the sampled token (1 = best)
 
 
+def _top_p_mask(sorted_logits: torch.Tensor, drop: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Extend `drop` (over descending-sorted logits) with each row's nucleus cut."""
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs      # mass strictly ahead of each token
+    return drop | (before > top_p[:, None])    # the first token is always kept
+
+
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
                        top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask logits outside each row's top-k / nucleus with -inf (one sort for both)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    """Mask logits outside each row's top-k / nucleus with -inf.
+
+    Avoids a full-vocabulary sort where it can: top-k alone is a threshold at the k-th
+    largest logit (one `topk`), and top-p with top-k on every row only sorts the top-k
+    candidates. Only top-p on a row without top-k sorts the whole vocabulary.
+    """
     vocab = logits.shape[-1]
-    ranks = torch.arange(vocab, device=logits.device)
+    if top_k is not None and (top_p is None or bool((top_k > 0).all())):
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        vals, idx = logits.topk(int(k.max()), dim=-1)           # sorted, descending
+        ranks = torch.arange(vals.shape[-1], device=logits.device)
+        drop = ranks[None, :] >= k[:, None]
+        if top_p is None:
+            kth = vals.gather(-1, (k - 1)[:, None])
+            return logits.masked_fill(logits < kth, float("-inf"))
+        drop = _top_p_mask(vals, drop, top_p)
+        return torch.full_like(logits, float("-inf")).scatter_(-1, idx, vals.masked_fill(drop, float("-inf")))
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if top_k is not None:
         k = torch.where(top_k > 0, top_k, vocab)
-        drop |= ranks[None, :] >= k[:, None]
-    if top_p is not None:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs      # mass strictly ahead of each token
-        drop |= before > top_p[:, None]            # the first token is always kept
-    masked = sorted_logits.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, masked)
+        drop |= torch.arange(vocab, device=logits.device)[None, :] >= k[:, None]
+    drop = _top_p_mask(sorted_logits, drop, top_p)
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _exponential(shape, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
+    """Exp(1) noise as -log(U): same distribution as `exponential_`, several times faster on CPU."""
+    return torch.rand(shape, generator=generator, device=device).clamp_(min=1e-20).log_().neg_()
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()
+        raw = logits.float()
+        logits = raw
         if meta.banned is not None:
+            logits = raw.clone()       # keep the model's logits intact for logprobs
             rows, tokens = meta.banned
             logits[rows, tokens] = float("-inf")
-        raw = logits
         if meta.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
@@ -78,9 +101,9 @@ class Sampler:
         if meta.min_p is not None:
             floor = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
-        q = torch.empty_like(probs).exponential_()
+        q = _exponential(probs.shape, device=probs.device)
         for row, gen in meta.generators.items():
-            q[row].exponential_(generator=gen)
+            q[row] = _exponential(probs.shape[-1:], generator=gen, device=probs.device)
         sampled = (probs / q).argmax(dim=-1)
         return torch.where(greedy_rows, greedy, sampled)
 
