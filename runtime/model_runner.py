@@ -42,6 +42,7 @@ class ModelRunner:
         self.layer_group = kv_config.layer_to_group()
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.sampler = Sampler()
+        self.compiled = compile
         self.forward = torch.compile(model.forward, dynamic=True, fullgraph=True) if compile else model.forward
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -101,9 +102,15 @@ class ModelRunner:
         # Rows that reach the end of their known tokens produce a token this step.
         done = seq_lens >= b.num_tokens[rows]
         logits_index = torch.from_numpy(cu[done] - 1).to(self.device)
+        ids_t = torch.from_numpy(input_ids).to(self.device)
+        pos_t = torch.from_numpy(positions).to(self.device)
+        if self.compiled:
+            # Unbacked: a one-token step must not specialise the graph to size 1 (dynamo
+            # specialises sizes 0 and 1 of plain dynamic dims) and cost a recompile.
+            torch._dynamo.decorators.mark_unbacked(ids_t, 0)
+            torch._dynamo.decorators.mark_unbacked(pos_t, 0)
         with set_forward_context(ForwardContext(self.backend, layer_meta)):
-            hidden = self.forward(torch.from_numpy(input_ids).to(self.device),
-                                  torch.from_numpy(positions).to(self.device), self.kv_caches)
+            hidden = self.forward(ids_t, pos_t, self.kv_caches)
         b.num_computed_tokens[rows] = seq_lens
         sample_rows = rows[done]
         if not len(sample_rows):
