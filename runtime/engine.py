@@ -140,8 +140,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
         if so.is_empty:
-            # Nothing fits (or only removals): still let the runner drop finished rows.
+            # Only removals this step: still let the runner drop finished rows.
             self.runner.execute(so)
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Sizing guarantees one max_model_len request fits, so this is a bug, and
+                # looping forever on it would hide it.
+                raise RuntimeError("scheduler admitted nothing with an idle engine and "
+                                   f"{len(self.scheduler.waiting)} waiting requests")
             return []
         result = self.runner.execute(so)
         updated = self.scheduler.update(so, result.sampled, result.logprobs)
