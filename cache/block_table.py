@@ -20,6 +20,7 @@ class BlockTable:
         self.num_blocks_per_row = np.zeros(max_num_reqs, dtype=np.int32)
 
     def add_row(self, block_ids: list[int], row: int) -> None:
+        self.np[row, len(block_ids):] = 0   # unused slots hold the null block
         self.num_blocks_per_row[row] = 0
         self.append_row(block_ids, row)
 

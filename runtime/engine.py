@@ -61,7 +61,7 @@ class Engine:
             self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
             num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
             min_tokens=self.max_model_len,
-            max_useful_blocks=config.max_num_seqs * -(-self.max_model_len // config.block_size) + 1)
+            max_num_seqs=config.max_num_seqs)
         self.kv_manager = KVCacheManager(kv_config)
         self.scheduler = Scheduler(self.kv_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,

@@ -37,7 +37,7 @@ def _top_p_mask(sorted_logits: torch.Tensor, drop: torch.Tensor, top_p: torch.Te
     """Extend `drop` (over descending-sorted logits) with each row's nucleus cut."""
     probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs      # mass strictly ahead of each token
-    return drop | (before > top_p[:, None])    # the first token is always kept
+    return drop | (before >= top_p[:, None])   # top_p > 0: the first token is always kept
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,

@@ -145,8 +145,6 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         out.preempted_req_ids.add(req.request_id)
-        out.new_block_ids.pop(req.request_id, None)
-        out.num_scheduled_tokens.pop(req.request_id, None)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
                logprobs: dict[str, dict] | None = None) -> list[Request]:

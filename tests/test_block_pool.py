@@ -303,6 +303,7 @@ def test_make_kv_cache_config_enforces_max_model_len():
         make_kv_cache_config(specs, 4, num_blocks=16, min_tokens=64)
     cfg = make_kv_cache_config(specs, 4, memory_bytes=10 * specs[0].page_size_bytes + 5)
     assert cfg.num_blocks == 10
-    cfg = make_kv_cache_config(specs, 4, memory_bytes=10 * specs[0].page_size_bytes,
-                               max_useful_blocks=7)
-    assert cfg.num_blocks == 7
+    # A budget buys no more than max_num_seqs full-length requests can use (+ the null block).
+    cfg = make_kv_cache_config(specs, 4, memory_bytes=100 * specs[0].page_size_bytes,
+                               min_tokens=8, max_num_seqs=3)
+    assert cfg.num_blocks == 3 * 2 + 1

@@ -80,8 +80,6 @@ def test_move_row_overwrites_and_zeroes_tail():
     assert t.np[0].tolist() == [0, 0, 0, 0] and t.num_blocks_per_row[0] == 0
 
 
-@pytest.mark.xfail(strict=True, reason="add_row on a row that held more blocks leaves stale ids past "
-                   "num_blocks_per_row; clear_row/move_row zero them")
 def test_add_row_zeroes_stale_tail():
     t = BlockTable(1, 4, 4)
     t.add_row([1, 2, 3, 4], 0)

@@ -115,8 +115,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), max_num_seqs=st.integers(1, 8),
                 max_num_batched_tokens=st.integers(3, 64), num_groups=st.sampled_from([1, 1, 2]))
     def setup(self, num_blocks, max_num_seqs, max_num_batched_tokens, num_groups):
-        # The pool must hold one full-length request (make_kv_cache_config enforces it).
-        self.max_model_len = min(64, (num_blocks - 1) * BLOCK_SIZE)
+        # The pool must hold one full-length request in every group. make_kv_cache_config
+        # only checks one group (see test_sizing_counts_every_group), so size it here.
+        self.max_model_len = min(64, (num_blocks - 1) // num_groups * BLOCK_SIZE)
         self.sched = make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens,
                                     self.max_model_len, num_groups)
         self.runner = FakeRunner()
@@ -203,13 +204,13 @@ class SchedulerMachine(RuleBasedStateMachine):
                 assert len(ids) == ceil_div(n, BLOCK_SIZE), (req.request_id, n, ids)
         check_pool(sched)
 
+        scheduled = {rid: sched.requests[rid] for rid in out.num_scheduled_tokens}
         sampled = self.runner.execute(sched, out)
         updated = sched.update(out, sampled)
         assert {r.request_id for r in updated} == set(sampled)
         for rid, num in out.num_scheduled_tokens.items():
-            req = next(r for r in updated if r.request_id == rid) if rid in sampled else sched.requests[rid]
-            base = 0 if rid in {n.req_id for n in out.new_reqs} else computed_before[rid]
-            assert req.num_computed_tokens == base + num
+            # Waiting requests (new or resumed) start from 0 computed tokens.
+            assert scheduled[rid].num_computed_tokens == computed_before[rid] + num
         for req in updated:
             assert req.output_token_ids[-1] == sampled[req.request_id]
             if req.status.finished:
@@ -288,7 +289,7 @@ def fake_token_at(req: Request, i: int) -> int:
 def test_scheduler_state_machine():
     run_state_machine_as_test(
         SchedulerMachine,
-        settings=settings(max_examples=60, stateful_step_count=40, deadline=None,
+        settings=settings(max_examples=100, stateful_step_count=50, deadline=None,
                           suppress_health_check=list(HealthCheck), derandomize=True),
     )
 
@@ -414,3 +415,13 @@ def test_abort_between_schedule_and_update():
     assert a.output_token_ids == [] and a.status == RequestStatus.FINISHED_ABORTED
     assert sched.kv.num_free_blocks() == 9
     check_pool(sched)
+
+
+def test_sizing_counts_every_group():
+    specs = {0: FullAttentionSpec(BLOCK_SIZE, 1, 8, torch.float32),
+             1: FullAttentionSpec(BLOCK_SIZE, 2, 8, torch.float32)}   # two groups
+    # A 20-token request needs 5 blocks in each group: 10 + the null block.
+    make_kv_cache_config(specs, BLOCK_SIZE, num_blocks=11, min_tokens=20)
+    with pytest.raises(ValueError, match="cannot hold one request of 20 tokens"):
+        make_kv_cache_config(specs, BLOCK_SIZE, num_blocks=6, min_tokens=20)
+
