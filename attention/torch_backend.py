@@ -71,13 +71,16 @@ class TorchAttentionBackend(AttentionBackend):
         _, block_size, num_kv_heads, _ = k_pages.shape
         k_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_pages.dtype))
         v_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_pages.dtype))
+        k_rows, v_rows = k_pages.view(k_pages.shape[0], -1), v_pages.view(v_pages.shape[0], -1)
         out = torch.empty_like(q)
         for part in meta.parts:
             n, max_q = part.token_index.shape
             ctx_len = part.block_table.shape[1] * block_size
-            pages = part.block_table.view(-1)   # index_select: far cheaper than advanced indexing
-            keys = k_pages.index_select(0, pages).view(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_pages.index_select(0, pages).view(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+            # Gather whole pages as rows of a 2-D view: a plain row copy, several times
+            # faster on CPU than advanced indexing or index_select over the 4-D tensor.
+            pages = part.block_table.view(-1)
+            keys = k_rows.index_select(0, pages).view(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+            values = v_rows.index_select(0, pages).view(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
             queries = q[part.token_index].transpose(1, 2)          # [n, heads, max_q, dim]
             o = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
                                                attn_mask=part.mask, scale=scale,
