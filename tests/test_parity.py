@@ -28,6 +28,7 @@ REGIMES = {
     "chunked": dict(max_num_batched_tokens=5),              # every prompt > 5 tokens splits
     "preempt": dict(num_kv_blocks=12, max_model_len=160),   # 11 usable blocks for 8 requests
     "one_seq": dict(max_num_seqs=1),
+    "staggered": dict(max_num_batched_tokens=24),           # arrivals while others decode
 }
 
 
@@ -73,21 +74,19 @@ def tiny(request, tiny_hf):
     return path, prompts, ref
 
 
-@pytest.mark.parametrize("regime", list(REGIMES))
-def test_tiny_parity(tiny, regime):
-    path, prompts, ref = tiny
-    llm = LLM(path, **REGIMES[regime])
-    assert _run(llm, prompts) == ref
+def _check_regime(model, prompts, ref, regime: str, kwargs: dict) -> None:
+    llm = LLM(model, **kwargs)
+    got = _staggered(llm, prompts) if regime == "staggered" else _run(llm, prompts)
+    assert got == ref
     if regime == "preempt":
         assert llm.kv_cache_stats()["num_preemptions"] > 0
     _check_all_free(llm)
 
 
-def test_tiny_parity_staggered_arrivals(tiny):
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_tiny_parity(tiny, regime):
     path, prompts, ref = tiny
-    llm = LLM(path, max_num_batched_tokens=24)
-    assert _staggered(llm, prompts) == ref
-    _check_all_free(llm)
+    _check_regime(path, prompts, ref, regime, REGIMES[regime])
 
 
 # ------------------------------------------------------------------ the real SmolLM2-135M
@@ -120,26 +119,20 @@ def smol():
     return llm, prompts, ref
 
 
+SMOL_REGIMES = {**REGIMES, "chunked": dict(max_num_batched_tokens=16),
+                "preempt": dict(num_kv_blocks=14, max_model_len=192)}
+
+
 def test_smollm2_parity(smol):
     llm, prompts, ref = smol
     assert _run(llm, prompts) == ref
     _check_all_free(llm)
 
 
-@pytest.mark.parametrize("regime", ["chunked", "preempt", "staggered"])
+@pytest.mark.parametrize("regime", [r for r in SMOL_REGIMES if r != "default"])
 def test_smollm2_parity_regimes(smol, regime):
     _, prompts, ref = smol
-    if regime == "staggered":
-        llm = LLM("zoo/smollm2-135m.yaml", max_num_batched_tokens=32)
-        assert _staggered(llm, prompts) == ref
-    else:
-        kwargs = {"chunked": dict(max_num_batched_tokens=16),
-                  "preempt": dict(num_kv_blocks=14, max_model_len=192)}[regime]
-        llm = LLM("zoo/smollm2-135m.yaml", **kwargs)
-        assert _run(llm, prompts) == ref
-        if regime == "preempt":
-            assert llm.kv_cache_stats()["num_preemptions"] > 0
-    _check_all_free(llm)
+    _check_regime("zoo/smollm2-135m.yaml", prompts, ref, regime, SMOL_REGIMES[regime])
 
 
 def test_smollm2_text(smol):
