@@ -7,6 +7,7 @@ the scheduler, so a bad request is a ValueError for that request, never a broken
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -42,46 +43,62 @@ class Engine:
     def __init__(self, model: str | Path, config: EngineConfig | None = None):
         self.config = config = config or EngineConfig()
         config.validate()
-        t0 = time.perf_counter()
+        self.startup_seconds: dict[str, float] = {}
+        clock = time.perf_counter()
+
+        def phase(name: str) -> None:
+            nonlocal clock
+            now = time.perf_counter()
+            self.startup_seconds[name] = now - clock
+            clock = now
+
         self.spec = spec = resolve_spec(model)
         if config.max_model_len is not None:
             if config.max_model_len > spec.max_model_len:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {spec.max_model_len}")
             spec.max_model_len = config.max_model_len
         self.max_model_len = spec.max_model_len
-        dtype = DTYPES[config.dtype or spec.dtype] if (config.dtype or spec.dtype) in DTYPES else None
-        if dtype is None:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {config.dtype!r}")
+        dtype_name = config.dtype or spec.dtype
+        if dtype_name not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
+        dtype = DTYPES[dtype_name]
         torch.manual_seed(config.seed)
         ckpt = checkpoint_dir(spec)
+        phase("spec")
         self.model = build_model(spec, config.device, dtype)
         load_weights(self.model, spec)
-        t1 = time.perf_counter()
-        kv_config = make_kv_cache_config(
-            self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
-            num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
-            min_tokens=self.max_model_len,
-            max_num_seqs=config.max_num_seqs)
-        self.kv_manager = KVCacheManager(kv_config)
-        self.scheduler = Scheduler(self.kv_manager, max_num_seqs=config.max_num_seqs,
-                                   max_num_batched_tokens=config.max_num_batched_tokens,
-                                   max_model_len=self.max_model_len)
+        phase("weights")
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         eos = list(spec.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = tuple(eos)
+        phase("tokenizer")
+        kv_config = make_kv_cache_config(
+            self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
+            num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
+            min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs)
+        self.kv_manager = KVCacheManager(kv_config)
+        self.scheduler = Scheduler(self.kv_manager, max_num_seqs=config.max_num_seqs,
+                                   max_num_batched_tokens=config.max_num_batched_tokens,
+                                   max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, kv_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   attention_backend=config.attention_backend, device=config.device,
                                   kv_dtype=dtype, compile=config.compile)
+        phase("KV cache")
         self._detok: dict[str, IncrementalDetokenizer] = {}
-        self._prompts: dict[str, str | None] = {}
-        self._next_id = 0
-        log.info("engine ready: %s, weights %.1fs, KV %d blocks x %d tokens (%d tokens)",
-                 spec.name, t1 - t0, kv_config.num_blocks - 1, config.block_size,
-                 (kv_config.num_blocks - 1) * config.block_size)
+        self._next_id = itertools.count()
+        log.info("engine ready: %s, KV %d blocks x %d tokens (%d tokens)", spec.name,
+                 kv_config.num_blocks - 1, config.block_size, (kv_config.num_blocks - 1) * config.block_size)
+
+    def warm_up(self, params: SamplingParams) -> None:
+        """Run one short request end to end (compiles the forward when compile is on)."""
+        req = self.make_request({"prompt_token_ids": [0, 1, 2]}, params, request_id="warm-up")
+        self.add_request(req)
+        while self.has_unfinished():
+            self.step()
 
     # ------------------------------------------------------------- requests
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -89,6 +106,11 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and "prompt_token_ids" not in prompt:
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
+            text = prompt["prompt"]
+            return text, self.tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
             if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
@@ -113,11 +135,8 @@ class Engine:
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:
-            request_id = str(self._next_id)
-            self._next_id += 1
-        req = Request(request_id, ids, params, self.eos_token_ids, max_tokens)
-        self._prompts[request_id] = text
-        return req
+            request_id = str(next(self._next_id))
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text)
 
     def add_request(self, request: Request, stream_text: bool = False) -> None:
         p = request.sampling_params
@@ -131,7 +150,6 @@ class Engine:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
             self._detok.pop(rid, None)
-            self._prompts.pop(rid, None)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -152,6 +170,8 @@ class Engine:
         updated = self.scheduler.update(so, result.sampled, result.logprobs)
         outputs = []
         for req in updated:
+            if req.logprobs is not None:
+                self._convert_logprobs(req)
             detok = self._detok.get(req.request_id)
             if detok is not None and not req.status.finished:
                 stop = detok.update(req.output_token_ids[-1])
@@ -163,6 +183,18 @@ class Engine:
             outputs.append(self._make_output(req))
         return outputs
 
+    def _convert_logprobs(self, req: Request) -> None:
+        """Turn the step's raw logprob entry into {token_id: Logprob} once, decoding the
+        token strings here on the engine thread (the tokenizer is not shared across threads)."""
+        entry = req.logprobs[-1]
+        ids = list(entry["top"]) + [entry["token_id"]]
+        words = ([self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None
+                 else [None] * len(ids))
+        d = {tid: Logprob(lp, None, w) for (tid, lp), w in zip(entry["top"].items(), words)}
+        d[entry["token_id"]] = Logprob(entry["logprob"], entry["rank"], words[-1])
+        req.logprobs[-1] = d
+        req.cumulative_logprob += entry["logprob"]
+
     def _make_output(self, req: Request) -> RequestOutput:
         finished = req.status.finished
         detok = self._detok.get(req.request_id)
@@ -173,21 +205,13 @@ class Engine:
                                          skip_special_tokens=req.sampling_params.skip_special_tokens)
         else:
             text = ""
-        logprobs = cumulative = None
-        if req.logprobs is not None:
-            logprobs, cumulative = [], 0.0
-            for entry in req.logprobs:
-                d = {tid: Logprob(lp, None) for tid, lp in entry["top"].items()}
-                d[entry["token_id"]] = Logprob(entry["logprob"], entry["rank"])
-                logprobs.append(d)
-                cumulative += entry["logprob"]
+        logprobs = None if req.logprobs is None else list(req.logprobs)
+        cumulative = None if req.logprobs is None else req.cumulative_logprob
         completion = CompletionOutput(0, text, list(req.output_token_ids), cumulative, logprobs,
                                       req.status.finish_reason, req.stop_reason)
-        prompt = self._prompts.get(req.request_id)
         if finished:
             self._detok.pop(req.request_id, None)
-            self._prompts.pop(req.request_id, None)
-        return RequestOutput(req.request_id, prompt, req.prompt_token_ids, [completion], finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished)
 
     def kv_cache_stats(self) -> dict:
         stats = self.kv_manager.stats()

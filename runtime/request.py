@@ -29,13 +29,14 @@ class Request:
     """Scheduling state: the scheduler moves `num_computed_tokens` toward
     `num_tokens_with_spec` (prompt + output, + draft tokens once speculation lands)."""
 
-    __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "output_token_ids",
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling_params", "output_token_ids",
                  "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
-                 "num_preemptions", "eos_token_ids", "max_tokens", "logprobs")
+                 "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], max_tokens: int):
+                 eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None):
         self.request_id = request_id
+        self.prompt = prompt                # the text, when the user sent text
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.output_token_ids: list[int] = []
@@ -47,7 +48,9 @@ class Request:
         self.num_preemptions = 0
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens        # resolved: never past max_model_len
+        # One {token_id: Logprob} per output token when logprobs were asked for.
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:

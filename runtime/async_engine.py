@@ -1,0 +1,193 @@
+"""AsyncEngine: the engine step loop in its own thread, driven from asyncio.
+
+The Engine is single-threaded by design, so every mutation (add, abort, step) happens on
+the engine thread: the HTTP side only enqueues commands and awaits per-request queues that
+the engine thread fills with `call_soon_threadsafe`. A client that goes away closes its
+output generator, which aborts the request and frees its blocks. If the engine thread dies,
+every waiting stream gets the error at once and `healthy` turns false: requests never hang
+on a dead engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from runtime.engine import Engine
+from runtime.metrics import ServerMetrics
+from runtime.outputs import RequestOutput
+from runtime.request import Request
+from runtime.sampling_params import SamplingParams
+
+log = logging.getLogger("zooinfer")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival: float = field(default_factory=time.monotonic)
+    last_token: float | None = None
+    num_tokens: int = 0
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, metrics: ServerMetrics | None = None, idle_wait: float = 0.05):
+        self.engine = engine
+        self.metrics = metrics
+        self.idle_wait = idle_wait
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="zooinfer-engine", daemon=True)
+
+    # ------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort whatever is left, stop the loop and join the thread."""
+        self._commands.put(("abort_all", None))
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive() and not self._stop.is_set()
+
+    def stats(self) -> dict:
+        return self.engine.kv_cache_stats()
+
+    # ------------------------------------------------------------- asyncio side
+    async def add_request(self, prompt, params: SamplingParams, request_id: str
+                          ) -> tuple[Request, AsyncIterator[RequestOutput]]:
+        """Validate and enqueue one request; returns it and its output stream.
+
+        Validation (tokenizing included) runs on the engine thread, which owns the
+        tokenizer; a bad request raises ValueError here, before any response has started.
+        The stream yields outputs as tokens arrive, the last with finished=True; closing it
+        early (client gone, cancellation) aborts the request and frees its blocks.
+        """
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = stream
+        self._commands.put(("add", (prompt, params, request_id)))
+        self._wake.set()
+        try:
+            first = await stream.queue.get()
+        except asyncio.CancelledError:   # the client left while we validated
+            self._streams.pop(request_id, None)
+            self._commands.put(("abort", request_id))
+            self._wake.set()
+            raise
+        if isinstance(first, BaseException):
+            self._streams.pop(request_id, None)
+            if isinstance(first, ValueError):
+                raise first
+            raise EngineDeadError(f"engine failed: {first!r}") from first
+        return first, self._outputs(request_id, stream)
+
+    async def _outputs(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"engine failed: {item!r}") from item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._commands.put(("abort", rid))
+                self._wake.set()
+
+    # ------------------------------------------------------------- engine thread
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not engine.has_unfinished():
+                    self._wake.wait(self.idle_wait)
+                    self._wake.clear()
+                    continue
+                outputs = engine.step()
+                now = time.monotonic()
+                for out in outputs:
+                    self._deliver(out, now)
+                if self.metrics is not None:
+                    self.metrics.update_engine_state(engine.kv_cache_stats())
+            self._drain_commands()
+        except BaseException as e:   # noqa: BLE001 - anything here kills the engine
+            log.exception("engine thread died")
+            self.error = e
+            for stream in list(self._streams.values()):
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+
+    def _drain_commands(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(*arg)
+            elif kind == "abort":
+                engine.abort([arg])
+            elif kind == "abort_all":
+                live = list(engine.scheduler.requests)
+                engine.abort(live)
+        if self.metrics is not None:
+            self.metrics.update_engine_state(engine.kv_cache_stats())
+
+    def _add(self, prompt, params: SamplingParams, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:      # the client left before we got here
+            return
+        try:
+            request = self.engine.make_request(prompt, params, request_id)
+            self.engine.add_request(request, stream_text=True)
+        except ValueError as e:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+            return
+        stream.arrival = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.labels(self.metrics.model).inc(request.num_prompt_tokens)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, request)
+
+    def _deliver(self, out: RequestOutput, now: float) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is None:
+            return
+        m = self.metrics
+        if m is not None:
+            new = len(out.outputs[0].token_ids) - stream.num_tokens
+            m.generation_tokens.labels(m.model).inc(max(new, 0))
+            if stream.last_token is None:
+                m.ttft.labels(m.model).observe(now - stream.arrival)
+            else:
+                m.itl.labels(m.model).observe(now - stream.last_token)
+            if out.finished:
+                m.e2e.labels(m.model).observe(now - stream.arrival)
+                m.finished.labels(m.model, out.outputs[0].finish_reason or "unknown").inc()
+        stream.num_tokens = len(out.outputs[0].token_ids)
+        stream.last_token = now
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)

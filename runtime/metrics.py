@@ -1,0 +1,54 @@
+"""Prometheus metrics for the server (prometheus-client, own registry).
+
+The engine thread updates them after each step; `/metrics` renders the registry. Names
+follow the usual serving conventions (`*_total` counters, `*_seconds` histograms).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
+                    0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = ["model_name"]
+        self.running = Gauge("zooinfer_num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge("zooinfer_num_requests_waiting", "Requests waiting for admission", labels, registry=r)
+        self.kv_usage = Gauge("zooinfer_kv_cache_usage_perc", "Fraction of KV blocks in use", labels, registry=r)
+        self.kv_group_blocks = Gauge("zooinfer_kv_cache_group_blocks_in_use",
+                                     "KV blocks held per KV cache group", labels + ["group", "kind"], registry=r)
+        self.kv_free = Gauge("zooinfer_kv_cache_free_blocks", "Free KV blocks", labels, registry=r)
+        self.kv_total = Gauge("zooinfer_kv_cache_blocks", "Usable KV blocks", labels, registry=r)
+        self.preemptions = Counter("zooinfer_num_preemptions", "Requests preempted (recompute)", labels, registry=r)
+        self.prompt_tokens = Counter("zooinfer_prompt_tokens", "Prompt tokens admitted", labels, registry=r)
+        self.generation_tokens = Counter("zooinfer_generation_tokens", "Tokens generated", labels, registry=r)
+        self.finished = Counter("zooinfer_request_success", "Finished requests by reason", labels + ["finish_reason"],
+                                registry=r)
+        self.ttft = Histogram("zooinfer_time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("zooinfer_inter_token_latency_seconds", "Time between tokens of a request", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("zooinfer_e2e_request_latency_seconds", "Arrival to finish", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.model = model_name
+        self._preemptions_seen = 0
+
+    def update_engine_state(self, stats: dict) -> None:
+        m = self.model
+        self.running.labels(m).set(stats["num_running"])
+        self.waiting.labels(m).set(stats["num_waiting"])
+        self.kv_usage.labels(m).set(stats["usage"])
+        self.kv_free.labels(m).set(stats["num_free_blocks"])
+        self.kv_total.labels(m).set(stats["num_blocks"])
+        for g in stats["groups"]:
+            self.kv_group_blocks.labels(m, str(g["group"]), g["kind"]).set(g["blocks_in_use"])
+        new = stats["num_preemptions"] - self._preemptions_seen
+        if new > 0:
+            self.preemptions.labels(m).inc(new)
+            self._preemptions_seen = stats["num_preemptions"]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,448 @@
+"""OpenAI-compatible server: `python -m runtime.serve zoo/<model>.yaml [--port 8000]`.
+
+FastAPI + uvicorn in front of the AsyncEngine. Endpoints: POST /v1/completions and
+/v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
+/metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.async_engine import AsyncEngine, EngineDeadError
+from runtime.metrics import ServerMetrics
+from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
+from runtime.outputs import RequestOutput
+
+log = logging.getLogger("zooinfer")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for request bodies over `max_bytes` (counted as they stream in,
+    so a missing or lying Content-Length does not get past it)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._reject(send)
+
+    async def _reject(self, send):
+        body = json.dumps(error_body(f"request body exceeds {self.max_bytes} bytes", code="body_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class ApiKeyAuth:
+    """ASGI middleware: every /v1/* call needs `Authorization: Bearer <key>`. (Plain ASGI,
+    not BaseHTTPMiddleware, so client disconnects still reach streaming responses.)"""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if not hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected):
+                body = json.dumps(error_body("invalid or missing API key", "authentication_error",
+                                             code="invalid_api_key")).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServer:
+    """The HTTP routes; one instance per served model."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None):
+        self.engine = engine
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.engine.tokenizer
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------- shared request handling
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found",
+                           "NotFoundError")
+
+    async def start(self, prompts: list, body, max_tokens: int | None, logprobs: int | None):
+        """Validate every (prompt, sample) and enqueue them; all or nothing."""
+        bad = body.unsupported()
+        if bad:
+            raise APIError(400, f"parameter '{bad}' is not supported", bad, "unsupported_parameter")
+        base = uuid.uuid4().hex
+        started = []
+        try:
+            for p_idx, prompt in enumerate(prompts):
+                for i in range(body.n):
+                    # n samples are n requests today (copy-on-write forks arrive with prefix caching);
+                    # sample i of a seeded request uses seed + i so the samples differ.
+                    params = body.sampling_params(max_tokens, logprobs, seed_offset=i)
+                    req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}-{i}")
+                    started.append((p_idx * body.n + i, req, stream))
+        except ValueError as e:
+            for _, _, stream in started:
+                await stream.aclose()
+            raise APIError(400, str(e), None, "invalid_request") from None
+        return base, started
+
+    @staticmethod
+    async def merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleave several request streams as outputs arrive; closing it closes them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index, stream):
+            try:
+                async for out in stream:
+                    queue.put_nowait((index, out))
+                queue.put_nowait((index, None))
+            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+                queue.put_nowait((index, e))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, _, s in started]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            # Cancelling a pump cancels its stream mid-await, which aborts that request.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, raw: Request, started) -> dict[int, RequestOutput]:
+        """Run to completion for a non-streaming call; a client that disconnects aborts."""
+        final: dict[int, RequestOutput] = {}
+
+        async def run():
+            async for index, out in self.merged(started):
+                if out.finished:
+                    final[index] = out
+
+        task = asyncio.create_task(run())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                break
+        await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise asyncio.CancelledError()
+        if task.exception() is not None:
+            raise task.exception()
+        return final
+
+    @staticmethod
+    def usage(started, finals, n: int) -> dict:
+        """OpenAI counts a prompt once however many samples it has."""
+        prompt = sum(len(req.prompt_token_ids) for i, req, _ in started if i % n == 0)
+        done = sum(len(out.outputs[0].token_ids) for out in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    @staticmethod
+    def _held_back(body, text: str, finished: bool) -> int:
+        """How much streamed text may go out: with stop strings, hold back a tail that could
+        still grow into one (it is cut off if it does)."""
+        if finished or not body.stop:
+            return len(text)
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop
+        return max(0, len(text) - max(len(s) for s in stops) + 1)
+
+    # ------------------------------------------------------------- /v1/completions
+    @staticmethod
+    def _top(d: dict, k: int) -> list:
+        """The k best (token_id, Logprob) of one position, best first."""
+        return sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+    def completion_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
+        lps = out.outputs[0].logprobs
+        if lps is None:
+            return None
+        ids = out.outputs[0].token_ids
+        return {"tokens": [d[t].decoded_token for t, d in zip(ids[start:], lps[start:])],
+                "token_logprobs": [d[t].logprob for t, d in zip(ids[start:], lps[start:])],
+                "top_logprobs": [{lp.decoded_token: lp.logprob for _, lp in self._top(d, k or 0)}
+                                 for d in lps[start:]],
+                "text_offset": []}
+
+    async def completions(self, body: CompletionRequest, raw: Request):
+        self.check_model(body.model)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            prompts = [{"prompt_token_ids": prompt}]
+        elif isinstance(prompt, list):
+            prompts = list(prompt)
+        else:
+            prompts = [prompt]
+        if not prompts:
+            raise APIError(400, "prompt must not be empty", "prompt")
+        base, started = await self.start(prompts, body, body.max_tokens, body.logprobs)
+        rid, created = f"cmpl-{base}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        if body.stream:
+            return StreamingResponse(self._stream_completion(body, started, head), media_type="text/event-stream")
+        finals = await self.collect(raw, started)
+        choices = [{"index": i, "text": out.outputs[0].text, "logprobs": self.completion_logprobs(out, body.logprobs),
+                    "finish_reason": out.outputs[0].finish_reason} for i, out in sorted(finals.items())]
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values(), body.n)}
+
+    async def _stream_completion(self, body, started, head) -> AsyncIterator[str]:
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finals = []
+        try:
+            async for i, out in self.merged(started):
+                c = out.outputs[0]
+                upto = self._held_back(body, c.text, out.finished)
+                delta = c.text[sent_text.get(i, 0): upto]
+                lp = self.completion_logprobs(out, body.logprobs, sent_tokens.get(i, 0))
+                if delta or out.finished or (lp and lp["tokens"]):
+                    sent_text[i] = max(upto, sent_text.get(i, 0))
+                    sent_tokens[i] = len(c.token_ids)
+                    yield _sse({**head, "choices": [{"index": i, "text": delta, "logprobs": lp,
+                                                     "finish_reason": c.finish_reason if out.finished else None}]})
+                if out.finished:
+                    finals.append(out)
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage(started, finals, body.n)})
+        except EngineDeadError as e:
+            yield _sse(error_body(str(e), "server_error", code="engine_dead"))
+        yield _sse("[DONE]")
+
+    # ------------------------------------------------------------- /v1/chat/completions
+    def chat_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
+        lps = out.outputs[0].logprobs
+        if lps is None:
+            return None
+
+        def entry(lp) -> dict:
+            tok = lp.decoded_token or ""
+            return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode())}
+
+        return {"content": [{**entry(d[t]), "top_logprobs": [entry(lp) for _, lp in self._top(d, k or 0)]}
+                            for t, d in zip(out.outputs[0].token_ids[start:], lps[start:])]}
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self.check_model(body.model)
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
+            raise APIError(400, f"chat template failed: {e}", "messages") from None
+        # The template already holds the special tokens: encode without adding more.
+        prompt = {"prompt": text, "add_special_tokens": False}
+        base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k)
+        rid, created = f"chatcmpl-{base}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return StreamingResponse(self._stream_chat(body, started, head), media_type="text/event-stream")
+        finals = await self.collect(raw, started)
+        choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
+                    "logprobs": self.chat_logprobs(out, body.top_logprobs), "finish_reason": out.outputs[0].finish_reason}
+                   for i, out in sorted(finals.items())]
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values(), body.n)}
+
+    async def _stream_chat(self, body, started, head) -> AsyncIterator[str]:
+        for i, _, _ in started:
+            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finals = []
+        try:
+            async for i, out in self.merged(started):
+                c = out.outputs[0]
+                upto = self._held_back(body, c.text, out.finished)
+                delta = c.text[sent_text.get(i, 0): upto]
+                lp = self.chat_logprobs(out, body.top_logprobs, sent_tokens.get(i, 0))
+                if delta or out.finished or (lp and lp["content"]):
+                    sent_text[i] = max(upto, sent_text.get(i, 0))
+                    sent_tokens[i] = len(c.token_ids)
+                    yield _sse({**head, "choices": [{"index": i, "delta": {"content": delta} if delta else {},
+                                                     "logprobs": lp,
+                                                     "finish_reason": c.finish_reason if out.finished else None}]})
+                if out.finished:
+                    finals.append(out)
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage(started, finals, body.n)})
+        except EngineDeadError as e:
+            yield _sse(error_body(str(e), "server_error", code="engine_dead"))
+        yield _sse("[DONE]")
+
+    # ------------------------------------------------------------- misc routes
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "zooinfer", "max_model_len": self.max_model_len}]}
+
+
+def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
+              api_key: str | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
+    server = OpenAIServer(engine, model_name, api_key)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        engine.shutdown()   # after uvicorn has drained (or given up on) in-flight requests
+
+    app = FastAPI(title="zooinfer", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return JSONResponse(error_body(e.message, e.err_type, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        msg = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        return JSONResponse(error_body(msg, param=where, code="invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), code=str(e.status_code)), status_code=e.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_, e: EngineDeadError):
+        return JSONResponse(error_body(str(e), "server_error", code="engine_dead"), status_code=503)
+
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat)
+    app.get("/v1/models")(server.models)
+
+    @app.get("/health")
+    async def health():
+        if engine.healthy:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unhealthy", "error": repr(engine.error)}, status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        if metrics is None:
+            return Response(status_code=404)
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    if api_key:
+        app.add_middleware(ApiKeyAuth, api_key=api_key)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="OpenAI-compatible server for a zoo spec or HF checkpoint dir.")
+    ap.add_argument("model", help="zoo YAML spec or HF checkpoint directory")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV pool")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    ap.add_argument("--graceful-timeout", type=float, default=10.0,
+                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    from models import SpecError, WeightError
+    from runtime.config import EngineConfig
+    from runtime.engine import Engine
+    from runtime.sampling_params import SamplingParams
+
+    try:
+        config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+                              kv_cache_memory=int(args.kv_cache_memory * (1 << 30)),
+                              block_size=args.block_size, compile=args.compile)
+        engine = Engine(args.model, config)
+    except (SpecError, WeightError, ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or engine.spec.name
+    metrics = ServerMetrics(name)
+    t0 = time.perf_counter()
+    engine.warm_up(SamplingParams(temperature=0, max_tokens=2))
+    warm = "warm-up + compile" if args.compile else "warm-up"
+    timings = {**engine.startup_seconds, warm: time.perf_counter() - t0}
+    for phase, secs in timings.items():
+        log.info("start-up: %-18s %6.2f s", phase, secs)
+    log.info("KV cache: %d blocks x %d tokens = %d tokens of capacity; max_model_len %d",
+             engine.kv_manager.pool.num_usable_blocks, config.block_size,
+             engine.kv_manager.pool.num_usable_blocks * config.block_size, engine.max_model_len)
+    async_engine = AsyncEngine(engine, metrics)
+    async_engine.start()
+    app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes)
+    log.info("serving %s on http://%s:%d", name, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.graceful_timeout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
