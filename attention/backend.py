@@ -22,6 +22,7 @@ class BatchLayout:
     block_table: torch.Tensor       # [num_reqs, >= max blocks] int32, rows in batch order
     slot_mapping: torch.Tensor      # [num_tokens] int64, flat cache slot per token
     block_size: int
+    sliding_window: int | None = None   # keys limited to the last W positions (itself included)
 
     @property
     def query_lens(self) -> np.ndarray:
@@ -39,8 +40,9 @@ class AttentionBackend(ABC):
 
     @staticmethod
     def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple:
-        """Per-layer cache layout: K and V pages, token-major inside a block."""
-        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+        """Per-layer cache layout: block-major (a block's K and V are one contiguous page, so
+        pages of a shared buffer can serve any KV cache group), token-major inside."""
+        return (num_blocks, 2, block_size, num_kv_heads, head_dim)
 
     @abstractmethod
     def plan(self, layout: BatchLayout, device: torch.device) -> Any:

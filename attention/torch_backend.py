@@ -6,7 +6,7 @@ per step into
 - the rest (prefill chunks, or several tokens after a preemption): one batched SDPA with
   queries padded to the longest chunk and a causal-by-position mask,
 so the only Python-level work per layer is two SDPA calls and the page gathers; nothing loops
-over tokens or requests.
+over tokens or requests. Sliding-window groups gather only the pages inside the window.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class _Part:
     """One SDPA call's worth of requests."""
     token_index: torch.Tensor   # [n, max_q] flat token index of each query slot (pads: any valid)
     valid: torch.Tensor | None  # [n, max_q] bool, None when every slot is real (decode)
-    block_table: torch.Tensor   # [n, num_pages] pages covering the longest context
+    pages: torch.Tensor         # [n * num_pages] block ids to gather, row-major
     mask: torch.Tensor          # [n, 1, max_q, num_pages * block_size] bool, True = attend
 
 
@@ -35,22 +35,30 @@ class TorchAttentionMetadata:
 
 
 def _make_part(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _Part:
-    qsl, seq_lens, bs = layout.query_start_loc, layout.seq_lens, layout.block_size
+    qsl, seq_lens, bs, window = layout.query_start_loc, layout.seq_lens, layout.block_size, layout.sliding_window
     q_lens = (qsl[rows + 1] - qsl[rows]).astype(np.int64)
     max_q = int(q_lens.max())
     ctx = seq_lens[rows].astype(np.int64)
-    num_pages = -(-int(ctx.max()) // bs)
+    first_q = ctx - q_lens                                              # position of the first query
+    # First page each request needs: 0, or the one holding the window start of its first query.
+    start_page = np.zeros_like(ctx) if window is None else np.maximum(first_q - window + 1, 0) // bs
+    num_pages = int((-(-ctx // bs) - start_page).max())
+    page_index = start_page[:, None] + np.arange(num_pages)[None, :]   # [n, num_pages] logical pages
+    table = layout.block_table.numpy()
+    page_index_clipped = np.minimum(page_index, table.shape[1] - 1)    # past-the-end pages are masked
+    pages = table[rows[:, None], page_index_clipped].astype(np.int64)
     j = np.arange(max_q, dtype=np.int64)
     valid = j[None, :] < q_lens[:, None]
     token_index = np.where(valid, qsl[rows][:, None] + j[None, :], qsl[rows][:, None])
-    q_pos = (ctx - q_lens)[:, None] + j[None, :]                      # [n, max_q]
-    kv_pos = np.arange(num_pages * bs, dtype=np.int64)
-    mask = (kv_pos[None, None, :] <= q_pos[:, :, None]) & (kv_pos[None, None, :] < ctx[:, None, None])
-    rows_t = torch.from_numpy(rows).to(device)
+    q_pos = first_q[:, None] + j[None, :]                              # [n, max_q]
+    kv_pos = (page_index[:, :, None] * bs + np.arange(bs)[None, None, :]).reshape(len(rows), -1)
+    mask = (kv_pos[:, None, :] <= q_pos[:, :, None]) & (kv_pos[:, None, :] < ctx[:, None, None])
+    if window is not None:
+        mask &= kv_pos[:, None, :] > q_pos[:, :, None] - window
     return _Part(
         token_index=torch.from_numpy(token_index).to(device),
         valid=None if valid.all() else torch.from_numpy(valid).to(device),
-        block_table=layout.block_table[rows_t, :num_pages].to(device=device, dtype=torch.long),
+        pages=torch.from_numpy(pages.reshape(-1)).to(device),
         mask=torch.from_numpy(mask).to(device).unsqueeze(1),
     )
 
@@ -59,6 +67,7 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
+        """`layout.block_table` rows must be in batch order (row i = request i)."""
         q_lens = layout.query_lens
         decode = np.flatnonzero(q_lens == 1)
         rest = np.flatnonzero(q_lens > 1)
@@ -67,20 +76,21 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
         num_tokens, num_heads, head_dim = q.shape
-        k_pages, v_pages = kv_cache[0], kv_cache[1]          # [blocks, block_size, kv_heads, dim]
-        _, block_size, num_kv_heads, _ = k_pages.shape
-        k_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_pages.dtype))
-        v_pages.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_pages.dtype))
-        k_rows, v_rows = k_pages.view(k_pages.shape[0], -1), v_pages.view(v_pages.shape[0], -1)
+        num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape   # [blocks, K|V, block, heads, dim]
+        # Write this step's keys and values: slot s is token s % B of block s // B.
+        blk, off = meta.slot_mapping // block_size, meta.slot_mapping % block_size
+        kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
+        kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
+        rows = kv_cache.view(num_blocks, -1)
         out = torch.empty_like(q)
         for part in meta.parts:
             n, max_q = part.token_index.shape
-            ctx_len = part.block_table.shape[1] * block_size
-            # Gather whole pages as rows of a 2-D view: a plain row copy, several times
-            # faster on CPU than advanced indexing or index_select over the 4-D tensor.
-            pages = part.block_table.view(-1)
-            keys = k_rows.index_select(0, pages).view(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
-            values = v_rows.index_select(0, pages).view(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+            # Gather whole pages (K and V together) as rows of a 2-D view: a plain row copy,
+            # several times faster on CPU than advanced indexing over the 5-D tensor.
+            gathered = rows.index_select(0, part.pages).view(n, -1, 2, block_size, num_kv_heads, head_dim)
+            ctx_len = gathered.shape[1] * block_size
+            keys = gathered[:, :, 0].reshape(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
+            values = gathered[:, :, 1].reshape(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
             queries = q[part.token_index].transpose(1, 2)          # [n, heads, max_q, dim]
             o = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
                                                attn_mask=part.mask, scale=scale,

@@ -1,11 +1,13 @@
 """What one layer needs per block, and how layers group into KV cache groups.
 
-Layers with equal specs share one block table per request (a KV cache group). Today every
-group is full attention; sliding-window and state specs join in the hybrid issue and reuse
-the same pool, which is why a group is described by its spec and not by its layer type.
+Layers with equal specs share one block table per request (a KV cache group). All groups
+draw from one pool of equal-size pages: a group's layer j keeps its page b in shared buffer
+j, so a block id belongs to one group at a time and memory flows to whichever layer kind
+needs it (the buffers are sized by the largest page; smaller pages are padded).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -14,6 +16,23 @@ import torch
 @dataclass(frozen=True, slots=True)
 class KVCacheSpec:
     block_size: int
+
+    @property
+    def page_size_bytes(self) -> int:
+        raise NotImplementedError
+
+    def max_blocks_for(self, num_tokens: int) -> int:
+        """Logical blocks a request of `num_tokens` tokens spans."""
+        return -(-num_tokens // self.block_size)
+
+    def max_live_blocks(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        """Blocks a request of `num_tokens` tokens holds at most at once, when it computes
+        at most `chunk_tokens` tokens per step (None: all at once)."""
+        return self.max_blocks_for(num_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec(KVCacheSpec):
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
@@ -23,13 +42,24 @@ class KVCacheSpec:
         """Bytes of one block for one layer (K and V)."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
-    def max_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+
+@dataclass(frozen=True, slots=True)
+class FullAttentionSpec(AttentionSpec):
+    """Causal attention over every earlier token: one block per `block_size` tokens, all kept."""
 
 
 @dataclass(frozen=True, slots=True)
-class FullAttentionSpec(KVCacheSpec):
-    """Causal attention over every earlier token: one block per `block_size` tokens, all kept."""
+class SlidingWindowSpec(AttentionSpec):
+    """Each token attends to the last `sliding_window` positions (itself included): blocks
+    wholly older than that go back to the pool while the request runs."""
+    sliding_window: int = 0
+
+    def max_live_blocks(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
+        # A decode needs positions (p - W, p]: at most ceil((W-1)/B) + 1 blocks; a chunk of
+        # C new tokens needs its own blocks on top (one more if it straddles a boundary).
+        window = -(-(self.sliding_window - 1) // self.block_size) + 1
+        chunk = num_tokens if chunk_tokens is None else chunk_tokens
+        return min(self.max_blocks_for(num_tokens), window + self.max_blocks_for(chunk))
 
 
 @dataclass(slots=True)
@@ -40,14 +70,35 @@ class KVCacheGroup:
 
 @dataclass(slots=True)
 class KVCacheConfig:
-    """The cache layout the runtime allocates: `num_blocks` pages per layer, in groups."""
+    """The cache layout the runtime allocates.
+
+    `num_buffers` buffers of `num_blocks` pages of `page_size_bytes` each; layer j of every
+    group (j < num_buffers) lives in buffer j. Every group has exactly `num_buffers` layers.
+    """
     num_blocks: int
     block_size: int
     groups: list[KVCacheGroup]
+    page_size_bytes: int = 0
+    num_buffers: int = 0
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(g.spec.page_size_bytes * len(g.layer_ids) for g in self.groups)
+        return self.page_size_bytes * self.num_buffers
 
     def layer_to_group(self) -> dict[int, int]:
         return {layer: gid for gid, g in enumerate(self.groups) for layer in g.layer_ids}
+
+    def layer_to_buffer(self) -> dict[int, int]:
+        return {layer: j for g in self.groups for j, layer in enumerate(g.layer_ids)}
+
+
+def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:
+    """Group layers by spec, then split every group into groups of the same size (the gcd
+    of the per-spec layer counts), so that each can map its layers 1:1 onto the shared
+    buffers. Gemma 3's 15 sliding + 3 full layers become 6 groups of 3."""
+    by_spec: dict[KVCacheSpec, list[int]] = {}
+    for layer_id in sorted(layer_specs):
+        by_spec.setdefault(layer_specs[layer_id], []).append(layer_id)
+    size = math.gcd(*(len(ids) for ids in by_spec.values()))
+    return [KVCacheGroup(spec, ids[i: i + size]) for spec, ids in by_spec.items()
+            for i in range(0, len(ids), size)]

@@ -9,7 +9,7 @@ beside `FullAttentionManager` in the hybrid issue.
 from __future__ import annotations
 
 from cache.block_pool import BlockPool, KVCacheBlock
-from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec
+from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
 
 
 class SingleTypeKVCacheManager:
@@ -40,12 +40,41 @@ class SingleTypeKVCacheManager:
         self.pool.free_blocks(reversed(blocks))
 
 
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        """Return blocks no future token of the request can read (none for full attention)."""
+
+    def num_live_blocks(self, request_id: str) -> int:
+        return sum(not b.is_null for b in self.req_to_blocks.get(request_id, ()))
+
+
 class FullAttentionManager(SingleTypeKVCacheManager):
     pass
 
 
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    """Keeps only the blocks inside the window: once every query still to come starts at
+    or after position p, keys before p - W + 1 are dead, and their blocks go back to the
+    pool. Their logical slots hold the null block so block indices stay positional."""
+
+    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        first_needed = max(0, num_computed_tokens - self.spec.sliding_window + 1)
+        dead = min(first_needed // self.spec.block_size, len(blocks))
+        freed = []
+        for i in range(dead - 1, -1, -1):   # newest dead block first: older ones evict first later
+            if blocks[i].is_null:
+                break
+            freed.append(blocks[i])
+            blocks[i] = self.pool.null_block
+        if freed:
+            self.pool.free_blocks(freed)
+
+
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
 }
 
 
@@ -62,12 +91,16 @@ class KVCacheManager:
     def num_groups(self) -> int:
         return len(self.managers)
 
-    def allocate_slots(self, request_id: str, num_tokens: int) -> list[list[int]] | None:
-        """Make the request's blocks cover `num_tokens` tokens in every group.
+    def allocate_slots(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0
+                       ) -> list[list[int]] | None:
+        """Make the request's blocks cover `num_tokens` tokens in every group, after
+        returning blocks that no token from `num_computed_tokens` on can read.
 
         Returns the new block ids per group (possibly empty lists), or None, allocating
         nothing, when the pool cannot cover every group.
         """
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, num_computed_tokens)
         need = sum(m.num_blocks_to_allocate(request_id, num_tokens) for m in self.managers)
         if need > self.pool.get_num_free_blocks():
             return None
@@ -97,7 +130,7 @@ class KVCacheManager:
         pool = self.pool
         per_group = [
             {"group": gid, "layers": len(g.layer_ids), "kind": type(g.spec).__name__,
-             "blocks_in_use": sum(len(b) for b in m.req_to_blocks.values())}
+             "blocks_in_use": sum(m.num_live_blocks(r) for r in m.req_to_blocks)}
             for gid, (g, m) in enumerate(zip(self.config.groups, self.managers))]
         return {"num_blocks": pool.num_usable_blocks, "num_free_blocks": pool.get_num_free_blocks(),
                 "block_size": self.block_size, "usage": pool.get_usage(), "groups": per_group}

@@ -1,36 +1,31 @@
 """KV sizing: how many blocks a byte budget (or an explicit count) buys for a layer layout."""
 from __future__ import annotations
 
-from cache.kv_cache_spec import KVCacheConfig, KVCacheGroup, KVCacheSpec
-
-
-def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:
-    """One group per distinct spec, layers in index order, groups in first-seen order."""
-    groups: dict[KVCacheSpec, KVCacheGroup] = {}
-    for layer_id in sorted(layer_specs):
-        spec = layer_specs[layer_id]
-        groups.setdefault(spec, KVCacheGroup(spec)).layer_ids.append(layer_id)
-    return list(groups.values())
+from cache.kv_cache_spec import KVCacheConfig, KVCacheSpec, group_layers
 
 
 def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], block_size: int, *,
                          num_blocks: int | None = None, memory_bytes: int | None = None,
-                         min_tokens: int = 0, max_num_seqs: int | None = None) -> KVCacheConfig:
+                         min_tokens: int = 0, max_num_seqs: int | None = None,
+                         chunk_tokens: int | None = None) -> KVCacheConfig:
     """Size the cache from `num_blocks` or from `memory_bytes`.
 
-    One block id covers every layer of a group, so a block costs the sum of its layers'
-    pages, and a request takes block ids in every group from the one pool. `min_tokens`
-    (usually max_model_len) sets the floor: one request of that length in every group; less
-    is a configuration error, said up front. A byte budget never buys more blocks than
-    `max_num_seqs` such requests can use.
+    A block id covers one layer of a group in each shared buffer, so a block costs the
+    largest page times the number of buffers, and a request takes block ids in every group
+    from the one pool. `min_tokens` (usually max_model_len) sets the floor: one request of
+    that length in every group; less is a configuration error, said up front. A byte budget
+    never buys more blocks than `max_num_seqs` such requests can use. `chunk_tokens` (the
+    scheduler's token budget) bounds what a window-limited group holds at once.
     """
     if not layer_specs:
         raise ValueError("model declares no KV cache layers")
-    groups = group_layers(layer_specs)
-    config = KVCacheConfig(num_blocks=0, block_size=block_size, groups=groups)
     if num_blocks is None and memory_bytes is None:
         raise ValueError("give num_kv_blocks or a KV memory budget")
-    per_request = sum(g.spec.max_blocks_for(min_tokens) for g in groups)
+    groups = group_layers(layer_specs)
+    config = KVCacheConfig(num_blocks=0, block_size=block_size, groups=groups,
+                           page_size_bytes=max(g.spec.page_size_bytes for g in groups),
+                           num_buffers=len(groups[0].layer_ids))
+    per_request = sum(g.spec.max_live_blocks(min_tokens, chunk_tokens) for g in groups)
     if num_blocks is None:
         num_blocks = memory_bytes // config.bytes_per_block
         if max_num_seqs is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec
+from cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from models.spec import ModelSpec
 
@@ -19,7 +19,11 @@ class CausalLM(nn.Module):
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         rotary = RotaryEmbedding(spec.attention.head_dim, spec.rope, spec.max_model_len)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, rotary) for i in range(spec.num_layers))
+        local = rotary if spec.rope_local is None else \
+            RotaryEmbedding(spec.attention.head_dim, spec.rope_local, spec.max_model_len)
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, i, local if kind == "sliding_attention" else rotary)
+            for i, kind in enumerate(spec.layer_kinds))
         self.norm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -29,6 +33,8 @@ class CausalLM(nn.Module):
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """input_ids, positions: [num_tokens]. Returns final hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
+        if self.spec.embedding_multiplier != 1.0:
+            x = x * self.spec.embedding_multiplier
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(positions, x, kv_cache)
         return self.norm(x)
@@ -37,10 +43,11 @@ class CausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
-        """What cache each layer needs, by layer id (every layer is full attention today)."""
+        """What cache each layer needs, by layer id."""
         a = self.spec.attention
-        return {i: FullAttentionSpec(block_size, a.num_kv_heads, a.head_dim, dtype)
-                for i in range(self.spec.num_layers)}
+        full = FullAttentionSpec(block_size, a.num_kv_heads, a.head_dim, dtype)
+        sliding = SlidingWindowSpec(block_size, a.num_kv_heads, a.head_dim, dtype, a.sliding_window or 0)
+        return {i: sliding if kind == "sliding_attention" else full for i, kind in enumerate(self.spec.layer_kinds)}
 
     def weight_sources(self) -> dict[str, list[tuple[str, int, int]]]:
         """Our parameter name -> [(checkpoint tensor name, row offset, rows)].
@@ -63,6 +70,9 @@ class CausalLM(nn.Module):
             ours = f"layers.{i}."
             src[ours + "input_layernorm.weight"] = [(hf + name("input_norm"), 0, s.hidden_size)]
             src[ours + "post_attention_layernorm.weight"] = [(hf + name("post_attn_norm"), 0, s.hidden_size)]
+            if s.norm.sandwich:
+                src[ours + "pre_feedforward_layernorm.weight"] = [(hf + name("pre_ffn_norm"), 0, s.hidden_size)]
+                src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
             qkv = [(name("q"), 0, q), (name("k"), q, kv), (name("v"), q + kv, kv)]
             gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
             linears = [("self_attn.qkv_proj", qkv, a.bias),
@@ -86,9 +96,10 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torc
         model = CausalLM(spec)
     model = model.to_empty(device=device)
     # Rotary tables are computed in float32 and must survive to_empty(): rebuild them.
-    fresh = RotaryEmbedding(spec.attention.head_dim, spec.rope, spec.max_model_len).to(device)
-    rotary = model.layers[0].self_attn.rotary
-    rotary.cos, rotary.sin = fresh.cos, fresh.sin
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            cos, sin = module.tables()
+            module.cos, module.sin = cos.to(device), sin.to(device)
     for p in model.parameters():
         p.data = p.data.to(dtype)
     if spec.tie_word_embeddings:   # to_empty() gives each module its own storage: re-tie

@@ -21,15 +21,17 @@ _FAMILIES = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    # Gemma 3 text: (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, q/k norms,
+    # 5 sliding : 1 full layers with a local rope.
+    "gemma3_text": {"qk_norm": True, "gemma": True},
 }
 _ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
          "gelu": "gelu"}
 
 
-def _rope(cfg: dict) -> dict:
-    params = dict(cfg.get("rope_parameters") or {})
-    legacy = cfg.get("rope_scaling") or {}
-    params = {**legacy, **params}
+def _rope(cfg: dict, params: dict | None = None) -> dict:
+    if params is None:
+        params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope = {"theta": float(theta), "type": params.get("rope_type", params.get("type", "default"))}
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
@@ -47,11 +49,19 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     if model_type not in _FAMILIES:
         raise SpecError(f"{where}: model_type: {model_type!r} is not supported yet "
                         f"(supported: {', '.join(_FAMILIES)})")
-    if model_type == "mistral" and cfg.get("sliding_window"):
-        raise SpecError(f"{where}: sliding_window: sliding-window attention is not built yet")
     traits = _FAMILIES[model_type]
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise SpecError(f"{where}: {key}: logit soft-capping is not supported yet")
+    num_layers = cfg["num_hidden_layers"]
+    kinds = cfg.get("layer_types")
+    if not kinds:
+        kind = "sliding_attention" if model_type == "mistral" and cfg.get("sliding_window") else "full_attention"
+        kinds = [kind] * num_layers
+    rope_params = cfg.get("rope_parameters") or {}
+    per_kind = isinstance(rope_params.get("full_attention"), dict)
     heads = cfg["num_attention_heads"]
-    act = cfg.get("hidden_act", "silu")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
     if act not in _ACTS:
         raise SpecError(f"{where}: hidden_act: {act!r} is not supported")
     eos = cfg.get("eos_token_id")
@@ -64,11 +74,13 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
                 eos.append(t)
     attn_bias = bool(cfg.get("attention_bias", False))
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
-    return {
+    gemma = traits.get("gemma", False)
+    spec = {
         "name": hf_dir.name,
         "vocab_size": cfg["vocab_size"],
         "hidden_size": cfg["hidden_size"],
-        "layers": {"num": cfg["num_hidden_layers"], "pattern": ["full_attention"]},
+        "layers": ({"num": num_layers, "pattern": [kinds[0]]} if len(set(kinds)) == 1
+                   else {"num": num_layers, "kinds": list(kinds)}),
         "attention": {
             "num_heads": heads,
             "num_kv_heads": cfg.get("num_key_value_heads") or heads,
@@ -76,17 +88,37 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             "qk_norm": traits.get("qk_norm", False),
             "bias": traits.get("qkv_bias", attn_bias),
             "o_bias": attn_bias and not traits.get("qkv_bias", False),
+            "sliding_window": cfg.get("sliding_window") if "sliding_attention" in kinds else None,
+            "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar") if gemma else None,
         },
         "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": _ACTS[act],
                 "bias": bool(cfg.get("mlp_bias", False))},
-        "norm": {"eps": float(cfg.get("rms_norm_eps", 1e-6))},
-        "rope": _rope(cfg),
+        "norm": {"eps": float(cfg.get("rms_norm_eps", 1e-6)), "offset": 1.0 if gemma else 0.0,
+                 "sandwich": gemma},
+        "rope": _rope(cfg, rope_params["full_attention"] if per_kind else None),
+        "rope_local": _rope(cfg, rope_params["sliding_attention"]) if per_kind else None,
+        "embedding_multiplier": float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "dtype": dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
         "max_model_len": int(cfg.get("max_position_embeddings", 4096)),
         "eos_token_ids": eos,
         "checkpoint": {"source": "hf", "path": str(hf_dir.resolve())},
     }
+    return spec
+
+
+def _with_defaults(cfg: dict, hf_dir: Path) -> dict:
+    """config.json omits fields left at their class defaults (transformers writes diffs):
+    let transformers fill them in, for the families it knows. A multimodal Gemma 3 config
+    yields its text part."""
+    if cfg.get("model_type") not in _FAMILIES and cfg.get("model_type") != "gemma3":
+        return cfg
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoConfig
+    full = AutoConfig.from_pretrained(str(hf_dir)).to_dict()
+    if full.get("model_type") == "gemma3" and isinstance(full.get("text_config"), dict):
+        full = {**full["text_config"], "model_type": "gemma3_text"}
+    return full
 
 
 def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
@@ -98,6 +130,7 @@ def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
         cfg = json.loads(config.read_text())
     except json.JSONDecodeError as e:
         raise SpecError(f"{config}: malformed JSON: {e}") from None
+    cfg = _with_defaults(cfg, hf_dir)
     try:
         data = spec_dict_from_hf_config(cfg, hf_dir)
     except KeyError as e:

@@ -59,11 +59,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, rope: RopeSpec, max_positions: int):
         super().__init__()
+        self.rope, self.max_positions = rope, max_positions
         self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
-        inv_freq = rope_inv_freq(rope, self.rotary_dim)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        self.register_buffer("cos", freqs.cos(), persistent=False)   # [max_pos, rotary_dim/2]
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        cos, sin = self.tables()
+        self.register_buffer("cos", cos, persistent=False)   # [max_pos, rotary_dim/2]
+        self.register_buffer("sin", sin, persistent=False)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = rope_inv_freq(self.rope, self.rotary_dim)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        return freqs.cos(), freqs.sin()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
@@ -78,6 +83,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """Full or sliding-window attention (the window lives in the layer's KV cache group,
+    which the backend plans per step; the layer itself only picks its rope)."""
+
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         a = spec.attention
@@ -90,7 +98,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.rotary = rotary
-        self.scale = a.head_dim ** -0.5
+        self.scale = (a.query_pre_attn_scalar or a.head_dim) ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -128,15 +136,25 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). With sandwich norms
+    (Gemma 2/3) each sub-block's output is normed too before the residual add:
+    x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x)))."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
+        n = spec.norm
+        self.input_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         self.self_attn = Attention(spec, layer_id, rotary)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         self.mlp = GatedMLP(spec)
+        self.sandwich = n.sandwich
+        if n.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
 
     def forward(self, positions, x, kv_cache):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), kv_cache))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))

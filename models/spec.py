@@ -19,8 +19,8 @@ import yaml
 
 # Layer kinds the zoo knows. Only full attention is built today; the others are declared so a
 # spec naming them gets a precise "not built yet" error rather than "unknown kind".
-IMPLEMENTED_LAYER_KINDS = ("full_attention",)
-PLANNED_LAYER_KINDS = ("sliding_attention", "mamba2", "gated_deltanet")
+IMPLEMENTED_LAYER_KINDS = ("full_attention", "sliding_attention")
+PLANNED_LAYER_KINDS = ("mamba2", "gated_deltanet")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
@@ -39,6 +39,8 @@ class AttentionSpec:
     qk_norm: bool = False      # Qwen3: RMSNorm over each head of q and k before rope
     bias: bool = False         # bias on q/k/v projections (Qwen2)
     o_bias: bool = False
+    sliding_window: int | None = None          # W for sliding_attention layers
+    query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not head_dim**-0.5
 
 
 @dataclass(slots=True)
@@ -52,6 +54,7 @@ class MLPSpec:
 class NormSpec:
     eps: float = 1e-6
     offset: float = 0.0        # Gemma stores w - 1: the norm multiplies by (offset + w)
+    sandwich: bool = False     # Gemma 2/3: extra norms after attention and around the MLP
 
 
 @dataclass(slots=True)
@@ -95,6 +98,8 @@ DEFAULT_WEIGHT_NAMES = {
     "layer": "model.layers.{i}.",
     "input_norm": "input_layernorm.weight",
     "post_attn_norm": "post_attention_layernorm.weight",
+    "pre_ffn_norm": "pre_feedforward_layernorm.weight",
+    "post_ffn_norm": "post_feedforward_layernorm.weight",
     "q": "self_attn.q_proj",
     "k": "self_attn.k_proj",
     "v": "self_attn.v_proj",
@@ -117,6 +122,8 @@ class ModelSpec:
     mlp: MLPSpec
     norm: NormSpec = field(default_factory=NormSpec)
     rope: RopeSpec = field(default_factory=RopeSpec)
+    rope_local: RopeSpec | None = None   # rope of sliding_attention layers (Gemma 3: theta 1e4)
+    embedding_multiplier: float = 1.0    # Gemma: sqrt(hidden_size)
     tie_word_embeddings: bool = False
     dtype: str = "float32"
     max_model_len: int = 4096
@@ -234,9 +241,15 @@ def _validate(spec: ModelSpec, fail) -> None:
                ("dtype", spec.dtype, DTYPES),
                ("checkpoint.source", spec.checkpoint.source, CHECKPOINT_SOURCES),
                ("rope.type", spec.rope.type, ROPE_TYPES)]
+    if spec.rope_local is not None:
+        choices.append(("rope_local.type", spec.rope_local.type, ROPE_TYPES))
     for where, value, allowed in choices:
         if value not in allowed:
             fail(where, f"{value!r} is not one of {', '.join(allowed)}")
+    if any(k == "sliding_attention" for k in kinds) and not (a.sliding_window and a.sliding_window > 0):
+        fail("attention.sliding_window", "sliding_attention layers need a window > 0")
+    if a.query_pre_attn_scalar is not None and a.query_pre_attn_scalar <= 0:
+        fail("attention.query_pre_attn_scalar", "must be > 0")
     if not 0 < spec.rope.partial_rotary_factor <= 1:
         fail("rope.partial_rotary_factor", "must be in (0, 1]")
     rotary = int(a.head_dim * spec.rope.partial_rotary_factor)

@@ -78,7 +78,8 @@ class Engine:
         kv_config = make_kv_cache_config(
             self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
             num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
-            min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs)
+            min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
+            chunk_tokens=config.max_num_batched_tokens)
         self.kv_manager = KVCacheManager(kv_config)
         self.scheduler = Scheduler(self.kv_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,

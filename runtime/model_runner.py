@@ -46,13 +46,37 @@ class ModelRunner:
         self.forward = torch.compile(model.forward, dynamic=True, fullgraph=True) if compile else model.forward
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        """One zeroed byte buffer of `num_blocks` pages per shared slot; layer j of every
+        KV cache group views buffer j in its own layout, so any group can use any block."""
+        cfg = self.kv_config
+        buffers = [torch.zeros(cfg.num_blocks, cfg.page_size_bytes, dtype=torch.uint8, device=self.device)
+                   for _ in range(cfg.num_buffers)]
         caches = [None] * len(self.layer_group)
-        for group in self.kv_config.groups:
+        for group in cfg.groups:
             s = group.spec
-            shape = self.backend.kv_cache_shape(self.kv_config.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
-            for layer in group.layer_ids:
-                caches[layer] = torch.zeros(shape, dtype=dtype, device=self.device)
+            if s.page_size_bytes != cfg.page_size_bytes:
+                raise ValueError("KV cache groups with different page sizes are not supported yet "
+                                 f"({s.page_size_bytes} vs {cfg.page_size_bytes} bytes)")
+            shape = self.backend.kv_cache_shape(cfg.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+            for j, layer in enumerate(group.layer_ids):
+                caches[layer] = buffers[j].view(s.dtype).view(shape)
         return caches
+
+    def _null_dead_slots(self) -> None:
+        """Sliding groups: table slots of blocks wholly outside every future window point at
+        the null block, as the cache manager has returned those blocks to the pool."""
+        b = self.batch
+        n = b.num_reqs
+        if not n:
+            return
+        for gid, group in enumerate(self.kv_config.groups):
+            window = getattr(group.spec, "sliding_window", None)
+            if not window:
+                continue
+            table = b.block_table[gid]
+            dead = np.maximum(b.num_computed_tokens[:n] - window + 1, 0) // table.block_size
+            cols = np.arange(table.max_num_blocks_per_req)
+            table.np[:n][cols[None, :] < dead[:, None]] = 0
 
     # ------------------------------------------------------------- batch delta
     def _update_batch(self, so: SchedulerOutput) -> None:
@@ -63,6 +87,7 @@ class ModelRunner:
             b.block_table.append_row(new_ids, b.req_id_to_row[rid])
         for new in so.new_reqs:
             b.add_request(new, self.eos_token_ids)
+        self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
     @torch.inference_mode()
@@ -94,7 +119,8 @@ class ModelRunner:
             layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
                                  block_table=table.tensor[rows_t],
                                  slot_mapping=torch.from_numpy(table.slot_mapping(req_rows, positions)),
-                                 block_size=table.block_size)
+                                 block_size=table.block_size,
+                                 sliding_window=getattr(group.spec, "sliding_window", None))
             meta = self.backend.plan(layout, self.device)
             for layer in group.layer_ids:
                 layer_meta[layer] = meta

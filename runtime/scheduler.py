@@ -100,7 +100,8 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
+                new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
+                                                 req.num_computed_tokens)
                 if new_ids is not None:
                     break
                 victim = self.running.pop()
@@ -120,7 +121,8 @@ class Scheduler:
                 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-            new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new)
+            new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
+                                                 req.num_computed_tokens)
             if new_ids is None:
                 break
             self.waiting.popleft()

@@ -16,27 +16,34 @@ TINY_VOCAB = 512
 
 
 def _tiny_config(family: str):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
     # initializer_range 0.2: with the default 0.02 tiny models collapse to one repeated
     # token and parity would pass for the wrong reason (tests assert outputs vary).
-    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=6 if family == "gemma3" else 2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family == "llama":
         return LlamaConfig(**common, tie_word_embeddings=False)
+    if family == "mistral":      # every layer sliding, window smaller than most prompts
+        return MistralConfig(**common, sliding_window=20, tie_word_embeddings=False)
+    if family == "gemma3":       # 5 sliding : 1 full, window smaller than most prompts
+        return Gemma3TextConfig(**common, head_dim=16, sliding_window=20,
+                                query_pre_attn_scalar=24, layer_types=["sliding_attention"] * 5 + ["full_attention"])
     return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_hf(tmp_path_factory):
     """family -> (hf_dir, HF model in eval mode)."""
-    from transformers import LlamaForCausalLM, Qwen3ForCausalLM
+    from transformers import Gemma3ForCausalLM, LlamaForCausalLM, MistralForCausalLM, Qwen3ForCausalLM
     cache = {}
 
     def get(family: str):
         if family not in cache:
             torch.manual_seed(0)
-            cls = LlamaForCausalLM if family == "llama" else Qwen3ForCausalLM
+            cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "mistral": MistralForCausalLM,
+                   "gemma3": Gemma3ForCausalLM}[family]
             model = cls(_tiny_config(family)).eval()
             path = tmp_path_factory.mktemp(family)
             model.save_pretrained(path)

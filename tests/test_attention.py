@@ -10,20 +10,23 @@ from attention import BatchLayout, ForwardContext, get_backend, set_forward_cont
 torch.set_num_threads(1)
 
 
-def _naive(q, k, v, scale):
-    """q: [t, H, D] at the last t positions of k/v [L, KVH, D]; causal."""
+def _naive(q, k, v, scale, window=None):
+    """q: [t, H, D] at the last t positions of k/v [L, KVH, D]; causal, optionally windowed."""
     t, heads, _ = q.shape
     L, kv_heads, _ = k.shape
     k = k.repeat_interleave(heads // kv_heads, dim=1)
     v = v.repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("thd,lhd->htl", q, k) * scale
     pos_q = torch.arange(L - t, L)[:, None]
-    scores = scores.masked_fill(torch.arange(L)[None, :] > pos_q, float("-inf"))
+    kv = torch.arange(L)[None, :]
+    scores = scores.masked_fill(kv > pos_q, float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(kv <= pos_q - window, float("-inf"))
     return torch.einsum("htl,lhd->thd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2)])
-def test_mixed_batch_matches_naive(heads, kv_heads):
+@pytest.mark.parametrize("heads, kv_heads, window", [(4, 4, None), (8, 2, None), (8, 2, 5), (4, 4, 9)])
+def test_mixed_batch_matches_naive(heads, kv_heads, window):
     torch.manual_seed(0)
     bs, dim, num_blocks = 4, 8, 64
     backend = get_backend("torch")
@@ -41,8 +44,8 @@ def test_mixed_batch_matches_naive(heads, kv_heads):
         full_k.append(k)
         full_v.append(v)
         for p in range(done):   # the earlier steps' tokens are already in the cache
-            cache[0, tables[i, p // bs], p % bs] = k[p]
-            cache[1, tables[i, p // bs], p % bs] = v[p]
+            cache[tables[i, p // bs], 0, p % bs] = k[p]
+            cache[tables[i, p // bs], 1, p % bs] = v[p]
     q_lens = np.array([n for _, n in reqs])
     seq_lens = np.array([d + n for d, n in reqs])
     positions = np.concatenate([np.arange(d, d + n) for d, n in reqs])
@@ -50,7 +53,7 @@ def test_mixed_batch_matches_naive(heads, kv_heads):
     slots = tables[rows, positions // bs].astype(np.int64) * bs + positions % bs
     layout = BatchLayout(query_start_loc=np.concatenate(([0], np.cumsum(q_lens))), seq_lens=seq_lens,
                          block_table=torch.from_numpy(tables), slot_mapping=torch.from_numpy(slots),
-                         block_size=bs)
+                         block_size=bs, sliding_window=window)
     meta = backend.plan(layout, torch.device("cpu"))
     q = torch.randn(int(q_lens.sum()), heads, dim)
     k = torch.cat([fk[d:] for fk, (d, _) in zip(full_k, reqs)])
@@ -59,13 +62,14 @@ def test_mixed_batch_matches_naive(heads, kv_heads):
         out = torch.ops.zooinfer.paged_attention(q, k, v, cache, 0, dim ** -0.5)
     start = 0
     for i, (done, new) in enumerate(reqs):
-        ref = _naive(q[start:start + new], full_k[i], full_v[i], dim ** -0.5)
+        ref = _naive(q[start:start + new], full_k[i], full_v[i], dim ** -0.5, window)
         torch.testing.assert_close(out[start:start + new], ref, rtol=1e-5, atol=1e-5)
         start += new
     # The new tokens were written where the slot mapping says.
-    flat_k = cache[0].view(-1, kv_heads, dim)
-    torch.testing.assert_close(flat_k[torch.from_numpy(slots)], k)
-    assert cache[:, 0].abs().sum() == 0      # the null block is never written
+    slots_t = torch.from_numpy(slots)
+    torch.testing.assert_close(cache[slots_t // bs, 0, slots_t % bs], k)
+    torch.testing.assert_close(cache[slots_t // bs, 1, slots_t % bs], v)
+    assert cache[0].abs().sum() == 0         # the null block is never written
 
 
 def test_op_is_registered_and_needs_context():
