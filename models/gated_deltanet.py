@@ -1,0 +1,270 @@
+"""Gated DeltaNet (Qwen3-Next linear attention) for the flattened, continuously-batched engine.
+
+The layer works on `[num_tokens, hidden]` with no batch axis. Request i of the step owns tokens
+`meta.query_start_loc[i]:meta.query_start_loc[i+1]` and the state slot `meta.slots[i]` of two
+per-layer tensors that are updated in place (see `GatedDeltaNet.state_shapes`):
+
+- conv state `[num_slots, conv_dim, kernel - 1]`: the last `kernel - 1` *inputs* of the causal
+  depthwise conv (the projected q|k|v channels before the conv), oldest first, so that the next
+  chunk's conv can be run as if the whole prompt were one sequence;
+- recurrent state `[num_slots, num_v_heads, k_head_dim, v_head_dim]`: the delta-rule state S,
+  read as `o_t = q_t @ S_t` (q as a row vector). Kept in whatever dtype the caller allocates
+  (float32 recommended); the math runs in float32.
+
+`meta.has_initial_state[i] == False` (a request's first chunk) means both states are taken as
+zero whatever the slot holds, so slots never need clearing.
+
+Paths: when `meta.all_decode` every request has one token and the step is one vectorised
+recurrent update over all requests (no Python loop, no host sync). Otherwise single-token
+requests are still grouped into one vectorised step, and each multi-token request (a prefill
+chunk) runs the causal conv over its chunk prefixed with the stored tail, then the chunked gated
+delta rule (HF's `torch_chunk_gated_delta_rule` math, chunks of up to 64 tokens) from its
+stored state; its final states are written back to its slot.
+
+Parameter names and shapes equal HF's `Qwen3NextGatedDeltaNet`, so its state_dict loads 1:1.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from attention.state import StateMetadata
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+CHUNK_SIZE = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """FLA-style L2 normalisation over the last dim (same formula as HF)."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over the head dim, then times silu(gate) (HF `Qwen3NextRMSNormGated`)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        x = self.weight * x.to(dtype)
+        x = x * F.silu(gate.float())
+        return x.to(dtype)
+
+
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                           beta: torch.Tensor, state: torch.Tensor,
+                           chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated delta rule over one request's tokens, chunked (HF torch_chunk_gated_delta_rule math).
+
+    q, k: [L, H, dk] float32, already L2-normalised, q already scaled by dk**-0.5;
+    v: [L, H, dv]; g (log decay), beta: [L, H]; state: [H, dk, dv] float32 initial state.
+    Returns (out [L, H, dv], final state [H, dk, dv]), both float32.
+    """
+    L = q.shape[0]
+    chunk_size = min(chunk_size, L)
+    pad = (chunk_size - L % chunk_size) % chunk_size
+    # [H, L, d]; end-padding with zeros (k = v = beta = g = 0) leaves the state unchanged.
+    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
+    beta, g = (F.pad(x.transpose(0, 1), (0, pad)) for x in (beta, g))
+    H, n = q.shape[0], (L + pad) // chunk_size
+
+    v_beta = v * beta.unsqueeze(-1)
+    k_beta = k * beta.unsqueeze(-1)
+    q, k, k_beta, v_beta = (x.reshape(H, n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
+    g = g.reshape(H, n, chunk_size)
+    upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+
+    cum = g.cumsum(-1)                                                   # [H, n, C]
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(upper, float("-inf")).exp()
+    ut = (k_beta @ k.transpose(-1, -2)) * decay                          # [H, n, C, C]
+    intra = (q @ k.transpose(-1, -2)) * decay
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False,
+                                               unitriangular=True)
+    q = q * cum.exp().unsqueeze(-1)
+    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
+    chunk_decay = cum[..., -1].exp()[..., None, None]                    # [H, n, 1, 1]
+
+    out = torch.empty_like(new_values)
+    for i in range(n):  # sequential over chunks of 64, never over tokens
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    out = out.reshape(H, -1, out.shape[-1])[:, :L].transpose(0, 1)
+    return out, state
+
+
+def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                               beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request, vectorised over requests (HF torch_recurrent_gated_delta_rule math).
+
+    q, k: [R, H, dk] float32 (normalised, q scaled); v: [R, H, dv]; g, beta: [R, H];
+    state: [R, H, dk, dv] float32. Returns (out [R, H, dv], new state [R, H, dk, dv]).
+    """
+    state = state * g.exp()[..., None, None]
+    kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
+    delta = (v - kv_mem) * beta.unsqueeze(-1)
+    state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+    out = (state * q.unsqueeze(-1)).sum(dim=-2)
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    """Qwen3-Next linear-attention layer; arguments mirror HF config fields:
+    hidden_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+    linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act."""
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
+                 head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
+                 hidden_act: str = "silu"):
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
+                             f"linear_num_key_heads ({num_k_heads})")
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}")
+        self.hidden_size = hidden_size
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.key_dim = num_k_heads * head_k_dim
+        self.value_dim = num_v_heads * head_v_dim
+        self.conv_kernel_size = conv_kernel_size
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.activation = hidden_act
+        self.act = _ACTIVATIONS[hidden_act]
+
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=conv_kernel_size, bias=False,
+                                groups=self.conv_dim, padding=conv_kernel_size - 1)
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
+        self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+
+    @classmethod
+    def from_hf_config(cls, config) -> "GatedDeltaNet":
+        return cls(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
+                   config.linear_key_head_dim, config.linear_value_head_dim,
+                   config.linear_conv_kernel_dim, config.rms_norm_eps, config.hidden_act)
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request state shapes (allocate `[num_slots, *shape]` per layer):
+        conv: (conv_dim, kernel - 1), conv_dim = 2 * key_dim + value_dim (q|k|v channels),
+        the last kernel-1 conv inputs, oldest first;
+        recurrent: (num_v_heads, head_k_dim, head_v_dim), the delta-rule state S (o = q @ S)."""
+        return {"conv": (self.conv_dim, self.conv_kernel_size - 1),
+                "recurrent": (self.num_v_heads, self.head_k_dim, self.head_v_dim)}
+
+    # ---- projections -------------------------------------------------------------------------
+
+    def _project(self, hidden: torch.Tensor):
+        """-> mixed_qkv [T, conv_dim] (q|k|v, heads in order), z [T, Hv, dv], b, a [T, Hv]."""
+        T = hidden.shape[0]
+        nk, r = self.num_k_heads, self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        # HF layout: per key head g: [q (dk) | k (dk) | v (r*dv) | z (r*dv)]; ba: [b (r) | a (r)].
+        qkvz = self.in_proj_qkvz(hidden).view(T, nk, 2 * dk + 2 * r * dv)
+        q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
+        ba = self.in_proj_ba(hidden).view(T, nk, 2 * r)
+        b, a = torch.split(ba, [r, r], dim=-1)
+        mixed_qkv = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
+        return (mixed_qkv, z.reshape(T, self.num_v_heads, dv), b.reshape(T, self.num_v_heads),
+                a.reshape(T, self.num_v_heads))
+
+    def _qkv_gates(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+        """Post-conv [N, conv_dim] -> fp32 q, k [N, Hv, dk] (l2-normed, q scaled), v [N, Hv, dv],
+        g (log decay), beta [N, Hv]."""
+        N = conv_out.shape[0]
+        q, k, v = torch.split(conv_out, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        r = self.num_v_heads // self.num_k_heads
+        q = l2norm(q.float().view(N, self.num_k_heads, self.head_k_dim)) * self.head_k_dim ** -0.5
+        k = l2norm(k.float().view(N, self.num_k_heads, self.head_k_dim))
+        if r > 1:  # each q/k head serves r consecutive value heads
+            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+        v = v.float().view(N, self.num_v_heads, self.head_v_dim)
+        beta = b.float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
+        return q, k, v, g, beta
+
+    # ---- per-path state updates --------------------------------------------------------------
+
+    def _decode(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
+                recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """One token per request: x [R, conv_dim] -> core out [R, Hv, dv] (fp32)."""
+        w = self.conv1d.weight[:, 0, :]                                   # [C, K]
+        tail = conv_state[slots]                                          # [R, C, K-1]
+        tail = torch.where(has_init.view(-1, 1, 1), tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
+        window = torch.cat([tail.to(w.dtype), x.to(w.dtype).unsqueeze(-1)], dim=-1)   # [R, C, K]
+        conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+        conv_out = self.act((window * w).sum(-1)).to(x.dtype)
+        q, k, v, g, beta = self._qkv_gates(conv_out, b, a)
+        S = recurrent_state[slots].float()
+        S = torch.where(has_init.view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
+        out, S = recurrent_gated_delta_step(q, k, v, g, beta, S)
+        recurrent_state[slots] = S.to(recurrent_state.dtype)
+        return out
+
+    def _prefill_one(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
+                     recurrent_state: torch.Tensor, slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """One request's chunk: x [L, conv_dim]; slot, has_init: [1] tensors -> out [L, Hv, dv]."""
+        K1 = self.conv_kernel_size - 1
+        w = self.conv1d.weight
+        tail = conv_state.index_select(0, slot)[0]                        # [C, K-1]
+        tail = torch.where(has_init, tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
+        seq = torch.cat([tail.to(w.dtype), x.t().to(w.dtype)], dim=-1)    # [C, K-1+L]
+        conv_state.index_copy_(0, slot, seq[:, seq.shape[1] - K1:].unsqueeze(0).to(conv_state.dtype))
+        conv_out = F.conv1d(seq.unsqueeze(0), w, groups=self.conv_dim)[0]  # [C, L], no padding
+        conv_out = self.act(conv_out).t().to(x.dtype)
+        q, k, v, g, beta = self._qkv_gates(conv_out, b, a)
+        S = recurrent_state.index_select(0, slot)[0].float()
+        S = torch.where(has_init, S, torch.zeros((), dtype=S.dtype, device=S.device))
+        out, S = chunk_gated_delta_rule(q, k, v, g, beta, S)
+        recurrent_state.index_copy_(0, slot, S.unsqueeze(0).to(recurrent_state.dtype))
+        return out
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                meta: StateMetadata) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]; updates the states' slots in place.
+
+        In the all-decode path T must equal meta.num_reqs (pad slots alongside tokens). In the
+        mixed path, tokens past query_start_loc[-1] (padding) get a zero core output."""
+        T = hidden.shape[0]
+        mixed_qkv, z, b, a = self._project(hidden)
+        if meta.all_decode:
+            core = self._decode(mixed_qkv, b, a, conv_state, recurrent_state, meta.slots,
+                                meta.has_initial_state)
+        else:
+            core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=hidden.device)
+            qsl = meta.query_start_loc
+            singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+            if singles:  # decodes of a mixed step: one vectorised recurrent step
+                req = torch.tensor(singles, dtype=torch.long).to(hidden.device, non_blocking=True)
+                tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(hidden.device,
+                                                                                   non_blocking=True)
+                core[tok] = self._decode(mixed_qkv[tok], b[tok], a[tok], conv_state, recurrent_state,
+                                         meta.slots[req], meta.has_initial_state[req])
+            for i in range(meta.num_reqs):
+                s, e = qsl[i], qsl[i + 1]
+                if e - s > 1:
+                    core[s:e] = self._prefill_one(mixed_qkv[s:e], b[s:e], a[s:e], conv_state,
+                                                  recurrent_state, meta.slots[i:i + 1],
+                                                  meta.has_initial_state[i:i + 1])
+        core = core.to(hidden.dtype)
+        out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(T, self.value_dim))
