@@ -33,3 +33,17 @@ class StateMetadata:
         return StateMetadata(qsl, torch.tensor(slots, dtype=torch.long, device=device),
                              torch.tensor(has_initial_state, dtype=torch.bool, device=device),
                              all(n == 1 for n in query_lens))
+
+
+@dataclass(slots=True)
+class StatePlan:
+    """A state group's step: the metadata its layers run with (request i in slot i of a
+    gathered, contiguous state batch) and the pool pages those states live in."""
+    meta: StateMetadata
+    pages: torch.Tensor         # [num_reqs * pages_per_state] int64, request-major
+
+    @staticmethod
+    def build(query_lens: list[int], has_initial_state: list[bool], pages: torch.Tensor,
+              device: torch.device | str = "cpu") -> "StatePlan":
+        meta = StateMetadata.build(query_lens, list(range(len(query_lens))), has_initial_state, device)
+        return StatePlan(meta, pages.reshape(-1).to(device=device, dtype=torch.long))

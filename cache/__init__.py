@@ -5,12 +5,13 @@ here, and the runtime drives the manager.
 """
 from cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
 from cache.block_table import BlockTable, MultiGroupBlockTable
-from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec
+from cache.kv_cache_spec import (FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec,
+                                 SlidingWindowSpec, StateSpec)
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config
 
 __all__ = [
     "BlockPool", "FreeKVCacheBlockQueue", "KVCacheBlock", "BlockTable", "MultiGroupBlockTable",
-    "FullAttentionSpec", "KVCacheConfig", "KVCacheGroup", "KVCacheSpec", "KVCacheManager",
+    "FullAttentionSpec", "SlidingWindowSpec", "StateSpec", "KVCacheConfig", "KVCacheGroup", "KVCacheSpec", "KVCacheManager",
     "make_kv_cache_config",
 ]

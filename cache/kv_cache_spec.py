@@ -7,6 +7,7 @@ needs it (the buffers are sized by the largest page; smaller pages are padded).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -62,6 +63,32 @@ class SlidingWindowSpec(AttentionSpec):
         return min(self.max_blocks_for(num_tokens), window + self.max_blocks_for(chunk))
 
 
+@dataclass(frozen=True, slots=True)
+class StateSpec(KVCacheSpec):
+    """A fixed-size state per request (Mamba2, Gated DeltaNet), not per token: tensors of
+    `shapes` (name, per-request shape) in `dtype`. It is stored in ordinary pool pages, as
+    many as it takes (`pages`), so state and KV blocks share one pool at 16-token
+    granularity instead of inflating attention blocks to the state's size."""
+    shapes: tuple = ()
+    dtype: torch.dtype = torch.float32
+    pool_page_bytes: int = 0          # set by sizing to the pool's page size
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(math.prod(shape) for _, shape in self.shapes) * self.dtype.itemsize
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.pool_page_bytes
+
+    @property
+    def pages(self) -> int:
+        return -(-self.state_bytes // self.pool_page_bytes)
+
+    def max_blocks_for(self, num_tokens: int) -> int:
+        return self.pages
+
+
 @dataclass(slots=True)
 class KVCacheGroup:
     spec: KVCacheSpec
@@ -96,6 +123,12 @@ def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:
     """Group layers by spec, then split every group into groups of the same size (the gcd
     of the per-spec layer counts), so that each can map its layers 1:1 onto the shared
     buffers. Gemma 3's 15 sliding + 3 full layers become 6 groups of 3."""
+    # States live in pool pages: give them the pool's page size (the largest KV page, or the
+    # state itself when no layer has KV) so they know how many pages they take.
+    kv_pages = [s.page_size_bytes for s in layer_specs.values() if not isinstance(s, StateSpec)]
+    page = max(kv_pages) if kv_pages else max(s.state_bytes for s in layer_specs.values())
+    layer_specs = {i: dataclasses.replace(s, pool_page_bytes=page) if isinstance(s, StateSpec) else s
+                   for i, s in layer_specs.items()}
     by_spec: dict[KVCacheSpec, list[int]] = {}
     for layer_id in sorted(layer_specs):
         by_spec.setdefault(layer_specs[layer_id], []).append(layer_id)

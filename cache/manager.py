@@ -9,7 +9,7 @@ beside `FullAttentionManager` in the hybrid issue.
 from __future__ import annotations
 
 from cache.block_pool import BlockPool, KVCacheBlock
-from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec
+from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec, StateSpec
 
 
 class SingleTypeKVCacheManager:
@@ -72,9 +72,15 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             self.pool.free_blocks(freed)
 
 
+class StateManager(SingleTypeKVCacheManager):
+    """A request's state takes `spec.pages` pages once, at admission, whatever its length;
+    they are updated in place every step and freed with the request."""
+
+
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
+    StateSpec: StateManager,
 }
 
 

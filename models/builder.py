@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from models.spec import ModelSpec
 
@@ -22,7 +22,7 @@ class CausalLM(nn.Module):
         local = rotary if spec.rope_local is None else \
             RotaryEmbedding(spec.attention.head_dim, spec.rope_local, spec.max_model_len)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, local if kind == "sliding_attention" else rotary)
+            DecoderLayer(spec, i, local if kind == "sliding_attention" else rotary, kind)
             for i, kind in enumerate(spec.layer_kinds))
         self.norm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -47,7 +47,16 @@ class CausalLM(nn.Module):
         a = self.spec.attention
         full = FullAttentionSpec(block_size, a.num_kv_heads, a.head_dim, dtype)
         sliding = SlidingWindowSpec(block_size, a.num_kv_heads, a.head_dim, dtype, a.sliding_window or 0)
-        return {i: sliding if kind == "sliding_attention" else full for i, kind in enumerate(self.spec.layer_kinds)}
+        specs: dict[int, KVCacheSpec] = {}
+        for i, kind in enumerate(self.spec.layer_kinds):
+            if kind == "sliding_attention":
+                specs[i] = sliding
+            elif kind == "full_attention":
+                specs[i] = full
+            else:   # state layers keep their state in float32 whatever the model dtype
+                shapes = tuple(self.layers[i].mixer.state_shapes().items())
+                specs[i] = StateSpec(block_size, shapes=shapes, dtype=torch.float32)
+        return specs
 
     def weight_sources(self) -> dict[str, list[tuple[str, int, int]]]:
         """Our parameter name -> [(checkpoint tensor name, row offset, rows)].
@@ -73,17 +82,23 @@ class CausalLM(nn.Module):
             if s.norm.sandwich:
                 src[ours + "pre_feedforward_layernorm.weight"] = [(hf + name("pre_ffn_norm"), 0, s.hidden_size)]
                 src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
-            qkv = [(name("q"), 0, q), (name("k"), q, kv), (name("v"), q + kv, kv)]
             gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
-            linears = [("self_attn.qkv_proj", qkv, a.bias),
-                       ("self_attn.o_proj", [(name("o"), 0, s.hidden_size)], a.o_bias),
-                       ("mlp.gate_up_proj", gate_up, m.bias),
+            linears = [("mlp.gate_up_proj", gate_up, m.bias),
                        ("mlp.down_proj", [(name("down"), 0, s.hidden_size)], m.bias)]
+            kind = s.layer_kinds[i]
+            if kind in ("mamba2", "gated_deltanet"):
+                prefix = name(kind)
+                for pname, p in self.layers[i].mixer.named_parameters():
+                    src[ours + "mixer." + pname] = [(f"{hf}{prefix}.{pname}", 0, p.shape[0])]
+            else:
+                qkv = [(name("q"), 0, q), (name("k"), q, kv), (name("v"), q + kv, kv)]
+                linears += [("self_attn.qkv_proj", qkv, a.bias),
+                            ("self_attn.o_proj", [(name("o"), 0, s.hidden_size)], a.o_bias)]
             for param, parts, has_bias in linears:
                 src[ours + param + ".weight"] = [(hf + p + ".weight", off, n) for p, off, n in parts]
                 if has_bias:
                     src[ours + param + ".bias"] = [(hf + p + ".bias", off, n) for p, off, n in parts]
-            if a.qk_norm:
+            if a.qk_norm and kind in ("full_attention", "sliding_attention"):
                 src[ours + "self_attn.q_norm.weight"] = [(hf + name("q_norm"), 0, a.head_dim)]
                 src[ours + "self_attn.k_norm.weight"] = [(hf + name("k_norm"), 0, a.head_dim)]
         return src

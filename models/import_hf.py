@@ -24,7 +24,23 @@ _FAMILIES = {
     # Gemma 3 text: (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, q/k norms,
     # 5 sliding : 1 full layers with a local rope.
     "gemma3_text": {"qk_norm": True, "gemma": True},
+    # Bamba: mamba2 layers with a few full-attention layers (attn_layer_indices).
+    "bamba": {"mamba": True},
 }
+_BAMBA_NAMES = {"final_norm": "model.final_layernorm.weight", "post_attn_norm": "pre_ff_layernorm.weight",
+                "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj", "down": "feed_forward.down_proj"}
+
+
+def _mamba2(cfg: dict) -> dict:
+    heads, hidden = cfg["mamba_n_heads"], cfg["hidden_size"]
+    d_head = cfg.get("mamba_d_head", "auto")
+    if d_head in (None, "auto"):
+        d_head = cfg.get("mamba_expand", 2) * hidden // heads
+    return {"num_heads": heads, "head_dim": d_head, "state_size": cfg["mamba_d_state"],
+            "n_groups": cfg.get("mamba_n_groups", 1), "conv_kernel": cfg.get("mamba_d_conv", 4),
+            "chunk_size": cfg.get("mamba_chunk_size", 256), "conv_bias": bool(cfg.get("mamba_conv_bias", True)),
+            "proj_bias": bool(cfg.get("mamba_proj_bias", False)),
+            "time_step_limit": [float(x) for x in cfg.get("time_step_limit") or (0.0, float("inf"))]}
 _ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
          "gelu": "gelu"}
 
@@ -55,6 +71,9 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             raise SpecError(f"{where}: {key}: logit soft-capping is not supported yet")
     num_layers = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types")
+    if traits.get("mamba"):
+        attn = set(cfg.get("attn_layer_indices") or [])
+        kinds = ["full_attention" if i in attn else "mamba2" for i in range(num_layers)]
     if not kinds:
         kind = "sliding_attention" if model_type == "mistral" and cfg.get("sliding_window") else "full_attention"
         kinds = [kind] * num_layers
@@ -104,6 +123,9 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         "eos_token_ids": eos,
         "checkpoint": {"source": "hf", "path": str(hf_dir.resolve())},
     }
+    if traits.get("mamba"):
+        spec["mamba2"] = _mamba2(cfg)
+        spec["weight_names"] = dict(_BAMBA_NAMES)
     return spec
 
 

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention.ops  # noqa: F401  (registers torch.ops.zooinfer.paged_attention)
-from models.spec import ModelSpec, RopeSpec
+from attention.context import get_forward_context
+from models.spec import ATTENTION_KINDS, ModelSpec, RopeSpec
 
 
 class RMSNorm(nn.Module):
@@ -135,16 +136,57 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def make_state_mixer(spec: ModelSpec, kind: str) -> nn.Module:
+    from models.gated_deltanet import GatedDeltaNet
+    from models.mamba2 import Mamba2Mixer
+    if kind == "mamba2":
+        m = spec.mamba2
+        return Mamba2Mixer(spec.hidden_size, m.num_heads, m.head_dim, m.state_size, n_groups=m.n_groups,
+                           conv_kernel=m.conv_kernel, chunk_size=m.chunk_size, use_conv_bias=m.conv_bias,
+                           use_bias=m.proj_bias, rms_norm_eps=spec.norm.eps,
+                           time_step_limit=tuple(m.time_step_limit))
+    g = spec.gated_deltanet
+    return GatedDeltaNet(spec.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim,
+                         conv_kernel_size=g.conv_kernel, rms_norm_eps=spec.norm.eps)
+
+
+def run_state_mixer(mixer: nn.Module, layer_id: int, hidden: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Run a state layer on this step's requests.
+
+    `pages` is the layer's view of the pool ([num_blocks, page elements]). The requests'
+    states are gathered from their pool pages into one contiguous batch (request i in slot
+    i), updated in place by the mixer, and written back to the same pages.
+    """
+    plan = get_forward_context().layer_meta[layer_id]
+    n = plan.meta.num_reqs
+    rows = pages.index_select(0, plan.pages).view(n, -1)
+    states, offset = [], 0
+    for shape in mixer.state_shapes().values():
+        size = math.prod(shape)
+        states.append(rows[:, offset: offset + size].view(n, *shape))
+        offset += size
+    out = mixer(hidden, *states, plan.meta)
+    pages.index_copy_(0, plan.pages, rows.view(-1, pages.shape[1]))
+    return out
+
+
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). With sandwich norms
-    (Gemma 2/3) each sub-block's output is normed too before the residual add:
+    """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)), where the mixer is
+    attention (full or sliding) or a state layer (mamba2, gated_deltanet). With sandwich
+    norms (Gemma 2/3) each sub-block's output is normed too before the residual add:
     x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x)))."""
 
-    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, kind: str = "full_attention"):
         super().__init__()
         n = spec.norm
+        self.layer_id = layer_id
         self.input_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
-        self.self_attn = Attention(spec, layer_id, rotary)
+        if kind in ATTENTION_KINDS:
+            self.self_attn = Attention(spec, layer_id, rotary)
+            self.mixer = None
+        else:
+            self.self_attn = None
+            self.mixer = make_state_mixer(spec, kind)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         self.mlp = GatedMLP(spec)
         self.sandwich = n.sandwich
@@ -152,9 +194,14 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
 
+    def _mix(self, positions, h, cache):
+        if self.self_attn is not None:
+            return self.self_attn(positions, h, cache)
+        return run_state_mixer(self.mixer, self.layer_id, h, cache)
+
     def forward(self, positions, x, kv_cache):
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(positions, self.input_layernorm(x), kv_cache))
+            x = x + self.post_attention_layernorm(self._mix(positions, self.input_layernorm(x), kv_cache))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache)
+        x = x + self._mix(positions, self.input_layernorm(x), kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))

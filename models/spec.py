@@ -19,8 +19,9 @@ import yaml
 
 # Layer kinds the zoo knows. Only full attention is built today; the others are declared so a
 # spec naming them gets a precise "not built yet" error rather than "unknown kind".
-IMPLEMENTED_LAYER_KINDS = ("full_attention", "sliding_attention")
-PLANNED_LAYER_KINDS = ("mamba2", "gated_deltanet")
+IMPLEMENTED_LAYER_KINDS = ("full_attention", "sliding_attention", "mamba2", "gated_deltanet")
+PLANNED_LAYER_KINDS: tuple[str, ...] = ()
+ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
@@ -69,6 +70,31 @@ class RopeSpec:
 
 
 @dataclass(slots=True)
+class Mamba2Spec:
+    """Mamba2 mixer (Bamba, Granite-4.0-H, Jamba-style hybrids)."""
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    expand: int | None = None            # intermediate = num_heads * head_dim
+    chunk_size: int = 256
+    conv_bias: bool = True
+    proj_bias: bool = False
+    time_step_limit: list = field(default_factory=lambda: [0.0, float("inf")])
+
+
+@dataclass(slots=True)
+class GatedDeltaNetSpec:
+    """Qwen3-Next linear attention (gated delta rule)."""
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_kernel: int = 4
+
+
+@dataclass(slots=True)
 class LayersSpec:
     num: int
     pattern: list = field(default_factory=lambda: ["full_attention"])  # repeated to `num`
@@ -109,6 +135,8 @@ DEFAULT_WEIGHT_NAMES = {
     "gate": "mlp.gate_proj",
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
+    "mamba2": "mamba",                    # prefix of a mamba2 layer's mixer
+    "gated_deltanet": "linear_attn",      # prefix of a gated_deltanet layer's mixer
 }
 
 
@@ -123,6 +151,8 @@ class ModelSpec:
     norm: NormSpec = field(default_factory=NormSpec)
     rope: RopeSpec = field(default_factory=RopeSpec)
     rope_local: RopeSpec | None = None   # rope of sliding_attention layers (Gemma 3: theta 1e4)
+    mamba2: Mamba2Spec | None = None     # required when a layer is mamba2
+    gated_deltanet: GatedDeltaNetSpec | None = None   # required when a layer is gated_deltanet
     embedding_multiplier: float = 1.0    # Gemma: sqrt(hidden_size)
     tie_word_embeddings: bool = False
     dtype: str = "float32"
@@ -248,6 +278,9 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail(where, f"{value!r} is not one of {', '.join(allowed)}")
     if any(k == "sliding_attention" for k in kinds) and not (a.sliding_window and a.sliding_window > 0):
         fail("attention.sliding_window", "sliding_attention layers need a window > 0")
+    for kind in ("mamba2", "gated_deltanet"):
+        if kind in kinds and getattr(spec, kind) is None:
+            fail(kind, f"layers of kind {kind} need a '{kind}:' section")
     if a.query_pre_attn_scalar is not None and a.query_pre_attn_scalar <= 0:
         fail("attention.query_pre_attn_scalar", "must be > 0")
     if not 0 < spec.rope.partial_rotary_factor <= 1:

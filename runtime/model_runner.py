@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from attention import BatchLayout, ForwardContext, get_backend, set_forward_context
-from cache.kv_cache_spec import KVCacheConfig
+from attention.state import StatePlan
+from cache.kv_cache_spec import KVCacheConfig, StateSpec
 from models.builder import CausalLM
 from runtime.input_batch import InputBatch
 from runtime.sampler import Sampler, SamplingMetadata
@@ -42,6 +43,8 @@ class ModelRunner:
         self.layer_group = kv_config.layer_to_group()
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.sampler = Sampler()
+        if compile and any(isinstance(g.spec, StateSpec) for g in kv_config.groups):
+            raise ValueError("compile=True does not support state layers (mamba2, gated_deltanet) yet")
         self.compiled = compile
         self.forward = torch.compile(model.forward, dynamic=True, fullgraph=True) if compile else model.forward
 
@@ -54,6 +57,10 @@ class ModelRunner:
         caches = [None] * len(self.layer_group)
         for group in cfg.groups:
             s = group.spec
+            if isinstance(s, StateSpec):        # states: pages as flat rows of the state dtype
+                for j, layer in enumerate(group.layer_ids):
+                    caches[layer] = buffers[j].view(s.dtype).view(cfg.num_blocks, -1)
+                continue
             if s.page_size_bytes != cfg.page_size_bytes:
                 raise ValueError("KV cache groups with different page sizes are not supported yet "
                                  f"({s.page_size_bytes} vs {cfg.page_size_bytes} bytes)")
@@ -116,6 +123,12 @@ class ModelRunner:
         layer_meta = [None] * len(self.kv_caches)
         for gid, group in enumerate(self.kv_config.groups):
             table = b.block_table[gid]
+            if isinstance(group.spec, StateSpec):
+                meta = StatePlan.build(num_sched.tolist(), (b.num_computed_tokens[rows] > 0).tolist(),
+                                       table.tensor[rows_t, :group.spec.pages], self.device)
+                for layer in group.layer_ids:
+                    layer_meta[layer] = meta
+                continue
             layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
                                  block_table=table.tensor[rows_t],
                                  slot_mapping=torch.from_numpy(table.slot_mapping(req_rows, positions)),

@@ -20,7 +20,7 @@ def _tiny_config(family: str):
     # initializer_range 0.2: with the default 0.02 tiny models collapse to one repeated
     # token and parity would pass for the wrong reason (tests assert outputs vary).
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=6 if family == "gemma3" else 2,
+                  num_hidden_layers={"gemma3": 6, "bamba": 4}.get(family, 2),
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family == "llama":
@@ -30,6 +30,11 @@ def _tiny_config(family: str):
     if family == "gemma3":       # 5 sliding : 1 full, window smaller than most prompts
         return Gemma3TextConfig(**common, head_dim=16, sliding_window=20,
                                 query_pre_attn_scalar=24, layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    if family == "bamba":        # mamba2 layers around one full-attention layer
+        from transformers import BambaConfig
+        return BambaConfig(**common, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
+                           mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1,
+                           mamba_chunk_size=8, tie_word_embeddings=False)
     return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
 
 
@@ -42,8 +47,9 @@ def tiny_hf(tmp_path_factory):
     def get(family: str):
         if family not in cache:
             torch.manual_seed(0)
+            from transformers import BambaForCausalLM
             cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "mistral": MistralForCausalLM,
-                   "gemma3": Gemma3ForCausalLM}[family]
+                   "gemma3": Gemma3ForCausalLM, "bamba": BambaForCausalLM}[family]
             model = cls(_tiny_config(family)).eval()
             path = tmp_path_factory.mktemp(family)
             model.save_pretrained(path)

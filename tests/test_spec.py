@@ -48,7 +48,7 @@ def _base() -> dict:
     (lambda d: d["layers"].update(kinds=["full_attention"]),
      "layers.kinds: lists 1 layers but layers.num is 2"),
     (lambda d: d["layers"].update(pattern=["mamba2"]),
-     "layers.pattern[0]: layer kind 'mamba2' is declared but not built yet"),
+     "mamba2: layers of kind mamba2 need a 'mamba2:' section"),
     (lambda d: d.update(hiden_size=3), "hiden_size: unknown field (did you mean 'hidden_size'?)"),
     (lambda d: d.pop("vocab_size"), "vocab_size: required field is missing"),
     (lambda d: d["attention"].update(num_heads="four"), "attention.num_heads: expected int, got str 'four'"),
