@@ -77,21 +77,27 @@ class CausalLM(nn.Module):
         for i in range(s.num_layers):
             hf = name("layer").format(i=i)
             ours = f"layers.{i}."
+            moe = s.moe is not None and s.moe.is_moe(i)
             src[ours + "input_layernorm.weight"] = [(hf + name("input_norm"), 0, s.hidden_size)]
             src[ours + "post_attention_layernorm.weight"] = [(hf + name("post_attn_norm"), 0, s.hidden_size)]
             if s.norm.sandwich:
                 src[ours + "pre_feedforward_layernorm.weight"] = [(hf + name("pre_ffn_norm"), 0, s.hidden_size)]
                 src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
-            gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
-            linears = [("mlp.gate_up_proj", gate_up, m.bias),
-                       ("mlp.down_proj", [(name("down"), 0, s.hidden_size)], m.bias)]
+            if moe:
+                src.update(self._moe_sources(ours + "mlp.", hf + name("moe") + "."))
+                linears = []
+            else:
+                gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
+                linears = [("mlp.gate_up_proj", gate_up, m.bias),
+                           ("mlp.down_proj", [(name("down"), 0, s.hidden_size)], m.bias)]
             kind = s.layer_kinds[i]
             if kind in ("mamba2", "gated_deltanet"):
                 prefix = name(kind)
                 for pname, p in self.layers[i].mixer.named_parameters():
                     src[ours + "mixer." + pname] = [(f"{hf}{prefix}.{pname}", 0, p.shape[0])]
             else:
-                qkv = [(name("q"), 0, q), (name("k"), q, kv), (name("v"), q + kv, kv)]
+                qr = q * (2 if a.output_gate else 1)
+                qkv = [(name("q"), 0, qr), (name("k"), qr, kv), (name("v"), qr + kv, kv)]
                 linears += [("self_attn.qkv_proj", qkv, a.bias),
                             ("self_attn.o_proj", [(name("o"), 0, s.hidden_size)], a.o_bias)]
             for param, parts, has_bias in linears:
@@ -101,6 +107,23 @@ class CausalLM(nn.Module):
             if a.qk_norm and kind in ("full_attention", "sliding_attention"):
                 src[ours + "self_attn.q_norm.weight"] = [(hf + name("q_norm"), 0, a.head_dim)]
                 src[ours + "self_attn.k_norm.weight"] = [(hf + name("k_norm"), 0, a.head_dim)]
+        return src
+
+    def _moe_sources(self, ours: str, hf: str) -> dict[str, list[tuple[str, int, int]]]:
+        """Per-expert checkpoint tensors into the fused expert params, viewed 2-D:
+        gate_up [E, 2I, H] as [E*2I, H] (expert e: gate rows e*2I.., up rows e*2I+I..),
+        down [E, H, I] as [E*H, I]."""
+        m, H = self.spec.moe, self.spec.hidden_size
+        I, E, S = m.intermediate_size, m.num_experts, m.shared_expert_intermediate_size
+        src = {ours + "gate.weight": [(hf + "gate.weight", 0, E)],
+               ours + "shared_expert_gate.weight": [(hf + "shared_expert_gate.weight", 0, 1)],
+               ours + "shared_expert.gate_proj.weight": [(hf + "shared_expert.gate_proj.weight", 0, S)],
+               ours + "shared_expert.up_proj.weight": [(hf + "shared_expert.up_proj.weight", 0, S)],
+               ours + "shared_expert.down_proj.weight": [(hf + "shared_expert.down_proj.weight", 0, H)]}
+        src[ours + "experts.gate_up_proj"] = [
+            (f"{hf}experts.{e}.{part}_proj.weight", e * 2 * I + k * I, I)
+            for e in range(E) for k, part in enumerate(("gate", "up"))]
+        src[ours + "experts.down_proj"] = [(f"{hf}experts.{e}.down_proj.weight", e * H, H) for e in range(E)]
         return src
 
 

@@ -26,6 +26,9 @@ _FAMILIES = {
     "gemma3_text": {"qk_norm": True, "gemma": True},
     # Bamba: mamba2 layers with a few full-attention layers (attn_layer_indices).
     "bamba": {"mamba": True},
+    # Qwen3-Next: gated DeltaNet layers, every n-th layer gated full attention, MoE MLPs,
+    # (1 + w) norms, partial rotary.
+    "qwen3_next": {"qk_norm": True, "offset_norm": True},
 }
 _BAMBA_NAMES = {"final_norm": "model.final_layernorm.weight", "post_attn_norm": "pre_ff_layernorm.weight",
                 "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj", "down": "feed_forward.down_proj"}
@@ -71,6 +74,8 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             raise SpecError(f"{where}: {key}: logit soft-capping is not supported yet")
     num_layers = cfg["num_hidden_layers"]
     kinds = cfg.get("layer_types")
+    if model_type == "qwen3_next":
+        kinds = ["gated_deltanet" if k == "linear_attention" else k for k in kinds or []]
     if traits.get("mamba"):
         attn = set(cfg.get("attn_layer_indices") or [])
         kinds = ["full_attention" if i in attn else "mamba2" for i in range(num_layers)]
@@ -112,7 +117,8 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         },
         "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": _ACTS[act],
                 "bias": bool(cfg.get("mlp_bias", False))},
-        "norm": {"eps": float(cfg.get("rms_norm_eps", 1e-6)), "offset": 1.0 if gemma else 0.0,
+        "norm": {"eps": float(cfg.get("rms_norm_eps", 1e-6)),
+                 "offset": 1.0 if gemma or traits.get("offset_norm") else 0.0,
                  "sandwich": gemma},
         "rope": _rope(cfg, rope_params["full_attention"] if per_kind else None),
         "rope_local": _rope(cfg, rope_params["sliding_attention"]) if per_kind else None,
@@ -126,6 +132,19 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     if traits.get("mamba"):
         spec["mamba2"] = _mamba2(cfg)
         spec["weight_names"] = dict(_BAMBA_NAMES)
+    if model_type == "qwen3_next":
+        spec["attention"]["output_gate"] = True
+        spec["gated_deltanet"] = {"num_k_heads": cfg["linear_num_key_heads"],
+                                  "num_v_heads": cfg["linear_num_value_heads"],
+                                  "head_k_dim": cfg["linear_key_head_dim"], "head_v_dim": cfg["linear_value_head_dim"],
+                                  "conv_kernel": cfg.get("linear_conv_kernel_dim", 4)}
+        if cfg.get("num_experts", 0) > 0:
+            spec["moe"] = {"num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+                           "intermediate_size": cfg["moe_intermediate_size"],
+                           "shared_expert_intermediate_size": cfg["shared_expert_intermediate_size"],
+                           "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+                           "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
+                           "mlp_only_layers": list(cfg.get("mlp_only_layers") or [])}
     return spec
 
 

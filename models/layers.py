@@ -94,7 +94,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
         self.q_size = a.num_heads * a.head_dim
         self.kv_size = a.num_kv_heads * a.head_dim
-        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=a.bias)
+        self.output_gate = a.output_gate
+        q_rows = self.q_size * (2 if a.output_gate else 1)   # gated: per head [query | gate]
+        self.qkv_proj = nn.Linear(spec.hidden_size, q_rows + 2 * self.kv_size, bias=a.bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=a.o_bias)
         self.q_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
@@ -102,15 +104,23 @@ class Attention(nn.Module):
         self.scale = (a.query_pre_attn_scalar or a.head_dim) ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
+        q_rows = self.q_size * (2 if self.output_gate else 1)
+        q, k, v = self.qkv_proj(x).split([q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(-1, self.q_size)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = torch.ops.zooinfer.paged_attention(q, k, v.contiguous(), kv_cache, self.layer_id, self.scale)
-        return self.o_proj(o.view(-1, self.q_size))
+        o = o.view(-1, self.q_size)
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
 
 
 _ACTIVATIONS = {
@@ -188,7 +198,13 @@ class DecoderLayer(nn.Module):
             self.self_attn = None
             self.mixer = make_state_mixer(spec, kind)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
-        self.mlp = GatedMLP(spec)
+        if spec.moe is not None and spec.moe.is_moe(layer_id):
+            from models.moe import SparseMoE
+            m = spec.moe
+            self.mlp = SparseMoE(spec.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size,
+                                 m.num_experts, m.num_experts_per_tok, m.norm_topk_prob, spec.mlp.activation)
+        else:
+            self.mlp = GatedMLP(spec)
         self.sandwich = n.sandwich
         if n.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)

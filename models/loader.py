@@ -74,8 +74,10 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
                     continue
                 param_name, offset, rows = targets[name]
                 param = params[param_name]
-                expected = (rows, *param.shape[1:])
                 tensor = f.get_tensor(name)
+                if tensor.dim() == param.dim() - 1:   # fused experts [E, r, c] filled as [E * r, c]
+                    param = param.view(-1, *param.shape[2:])
+                expected = (rows, *param.shape[1:])
                 if tuple(tensor.shape) != expected:
                     raise WeightError(f"{file}: tensor '{name}' has shape {list(tensor.shape)}, "
                                       f"the spec expects {list(expected)}")
@@ -92,10 +94,12 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
 def init_dummy(model: CausalLM, seed: int, std: float) -> None:
     """Seeded random weights: normal(0, std) for matrices, 1 (or 0 for offset norms) for
     norm weights, zero biases. Same seed, same weights, on any machine."""
+    from models.layers import RMSNorm
     gen = torch.Generator().manual_seed(seed)
+    offset_norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm) and m.offset}
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
-            p.fill_(1.0 if model.spec.norm.offset == 0 else 0.0)
+            p.fill_(0.0 if id(p) in offset_norms else 1.0)
         elif name.endswith(".bias"):
             p.zero_()
         else:

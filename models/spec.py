@@ -40,6 +40,7 @@ class AttentionSpec:
     qk_norm: bool = False      # Qwen3: RMSNorm over each head of q and k before rope
     bias: bool = False         # bias on q/k/v projections (Qwen2)
     o_bias: bool = False
+    output_gate: bool = False   # Qwen3-Next: q_proj also yields a per-head gate, out *= sigmoid(gate)
     sliding_window: int | None = None          # W for sliding_attention layers
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not head_dim**-0.5
 
@@ -95,6 +96,23 @@ class GatedDeltaNetSpec:
 
 
 @dataclass(slots=True)
+class MoESpec:
+    """Sparse MoE MLP (Qwen3-Next): softmax router, top-k (optionally renormalised), SwiGLU
+    experts, plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1          # layer i is MoE when (i + 1) % step == 0 ...
+    mlp_only_layers: list = field(default_factory=list)   # ... and i is not listed here
+
+    def is_moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0 \
+            and layer not in self.mlp_only_layers
+
+
+@dataclass(slots=True)
 class LayersSpec:
     num: int
     pattern: list = field(default_factory=lambda: ["full_attention"])  # repeated to `num`
@@ -137,6 +155,7 @@ DEFAULT_WEIGHT_NAMES = {
     "down": "mlp.down_proj",
     "mamba2": "mamba",                    # prefix of a mamba2 layer's mixer
     "gated_deltanet": "linear_attn",      # prefix of a gated_deltanet layer's mixer
+    "moe": "mlp",                         # prefix of an MoE block (router gate, experts.{e}.*, shared_expert*)
 }
 
 
@@ -153,6 +172,7 @@ class ModelSpec:
     rope_local: RopeSpec | None = None   # rope of sliding_attention layers (Gemma 3: theta 1e4)
     mamba2: Mamba2Spec | None = None     # required when a layer is mamba2
     gated_deltanet: GatedDeltaNetSpec | None = None   # required when a layer is gated_deltanet
+    moe: MoESpec | None = None            # MoE MLPs (others use `mlp`)
     embedding_multiplier: float = 1.0    # Gemma: sqrt(hidden_size)
     tie_word_embeddings: bool = False
     dtype: str = "float32"

@@ -20,7 +20,7 @@ def _tiny_config(family: str):
     # initializer_range 0.2: with the default 0.02 tiny models collapse to one repeated
     # token and parity would pass for the wrong reason (tests assert outputs vary).
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers={"gemma3": 6, "bamba": 4}.get(family, 2),
+                  num_hidden_layers={"gemma3": 6, "bamba": 4, "qwen3_next": 4}.get(family, 2),
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family == "llama":
@@ -35,6 +35,13 @@ def _tiny_config(family: str):
         return BambaConfig(**common, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16,
                            mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1,
                            mamba_chunk_size=8, tie_word_embeddings=False)
+    if family == "qwen3_next":   # gated DeltaNet x3 + gated full attention, MoE MLPs
+        from transformers import Qwen3NextConfig
+        return Qwen3NextConfig(**common, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                               linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=48, full_attention_interval=4,
+                               tie_word_embeddings=False)
     return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
 
 
@@ -47,10 +54,17 @@ def tiny_hf(tmp_path_factory):
     def get(family: str):
         if family not in cache:
             torch.manual_seed(0)
-            from transformers import BambaForCausalLM
+            from transformers import BambaForCausalLM, Qwen3NextForCausalLM
             cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "mistral": MistralForCausalLM,
-                   "gemma3": Gemma3ForCausalLM, "bamba": BambaForCausalLM}[family]
+                   "gemma3": Gemma3ForCausalLM, "bamba": BambaForCausalLM,
+                   "qwen3_next": Qwen3NextForCausalLM}[family]
             model = cls(_tiny_config(family)).eval()
+            if family == "qwen3_next":   # HF leaves the router and experts unset: seed them
+                gen = torch.Generator().manual_seed(3)
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        if "experts" in name or name.endswith("mlp.gate.weight"):
+                            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
             path = tmp_path_factory.mktemp(family)
             model.save_pretrained(path)
             cache[family] = (path, model)
