@@ -40,7 +40,8 @@ class CausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        return logits / self.spec.logits_scaling if self.spec.logits_scaling != 1.0 else logits
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
         """What cache each layer needs, by layer id."""
@@ -84,7 +85,7 @@ class CausalLM(nn.Module):
                 src[ours + "pre_feedforward_layernorm.weight"] = [(hf + name("pre_ffn_norm"), 0, s.hidden_size)]
                 src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
             if moe:
-                src.update(self._moe_sources(ours + "mlp.", hf + name("moe") + "."))
+                src.update(self._moe_sources(ours + "mlp.", hf + (name("moe") + "." if name("moe") else "")))
                 linears = []
             else:
                 gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
@@ -115,6 +116,15 @@ class CausalLM(nn.Module):
         down [E, H, I] as [E*H, I]."""
         m, H = self.spec.moe, self.spec.hidden_size
         I, E, S = m.intermediate_size, m.num_experts, m.shared_expert_intermediate_size
+        if m.style == "granite":   # fused on disk already; shared MLP beside the experts
+            src = {ours + "shared_mlp.input_linear.weight": [(hf + "shared_mlp.input_linear.weight", 0, 2 * S)],
+                   ours + "shared_mlp.output_linear.weight": [(hf + "shared_mlp.output_linear.weight", 0, H)]}
+            if E:
+                moe = hf + "block_sparse_moe."
+                src[ours + "block_sparse_moe.router.weight"] = [(moe + "router.layer.weight", 0, E)]
+                src[ours + "block_sparse_moe.experts.gate_up_proj"] = [(moe + "input_linear.weight", 0, E)]
+                src[ours + "block_sparse_moe.experts.down_proj"] = [(moe + "output_linear.weight", 0, E)]
+            return src
         src = {ours + "gate.weight": [(hf + "gate.weight", 0, E)],
                ours + "shared_expert_gate.weight": [(hf + "shared_expert_gate.weight", 0, 1)],
                ours + "shared_expert.gate_proj.weight": [(hf + "shared_expert.gate_proj.weight", 0, S)],

@@ -29,6 +29,8 @@ _FAMILIES = {
     # Qwen3-Next: gated DeltaNet layers, every n-th layer gated full attention, MoE MLPs,
     # (1 + w) norms, partial rotary.
     "qwen3_next": {"qk_norm": True, "offset_norm": True},
+    # Granite-4.0-H: mamba2 + attention layers, MoE or dense shared MLP, muP-style multipliers.
+    "granitemoehybrid": {"mamba": True},
 }
 _BAMBA_NAMES = {"final_norm": "model.final_layernorm.weight", "post_attn_norm": "pre_ff_layernorm.weight",
                 "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj", "down": "feed_forward.down_proj"}
@@ -76,7 +78,9 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     kinds = cfg.get("layer_types")
     if model_type == "qwen3_next":
         kinds = ["gated_deltanet" if k == "linear_attention" else k for k in kinds or []]
-    if traits.get("mamba"):
+    if model_type == "granitemoehybrid":
+        kinds = ["mamba2" if k in ("mamba", "linear_attention") else "full_attention" for k in kinds]
+    elif traits.get("mamba"):
         attn = set(cfg.get("attn_layer_indices") or [])
         kinds = ["full_attention" if i in attn else "mamba2" for i in range(num_layers)]
     if not kinds:
@@ -131,7 +135,21 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     }
     if traits.get("mamba"):
         spec["mamba2"] = _mamba2(cfg)
+    if model_type == "bamba":
         spec["weight_names"] = dict(_BAMBA_NAMES)
+    if model_type == "granitemoehybrid":
+        spec["weight_names"] = {"moe": ""}         # block_sparse_moe / shared_mlp sit on the layer
+        spec["attention"]["scale"] = float(cfg.get("attention_multiplier", 1.0))
+        spec["embedding_multiplier"] = float(cfg.get("embedding_multiplier", 1.0))
+        spec["residual_multiplier"] = float(cfg.get("residual_multiplier", 1.0))
+        spec["logits_scaling"] = float(cfg.get("logits_scaling", 1.0))
+        if cfg.get("position_embedding_type") != "rope":
+            spec["rope"]["type"] = "none"
+        spec["mlp"]["intermediate_size"] = cfg["shared_intermediate_size"]
+        spec["moe"] = {"style": "granite", "num_experts": cfg.get("num_local_experts") or 0,
+                       "num_experts_per_tok": cfg.get("num_experts_per_tok") or 0,
+                       "intermediate_size": cfg["intermediate_size"],
+                       "shared_expert_intermediate_size": cfg["shared_intermediate_size"]}
     if model_type == "qwen3_next":
         spec["attention"]["output_gate"] = True
         spec["gated_deltanet"] = {"num_k_heads": cfg["linear_num_key_heads"],

@@ -61,7 +61,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, rope: RopeSpec, max_positions: int):
         super().__init__()
         self.rope, self.max_positions = rope, max_positions
-        self.rotary_dim = int(head_dim * rope.partial_rotary_factor)
+        self.rotary_dim = 0 if rope.type == "none" else int(head_dim * rope.partial_rotary_factor)
         cos, sin = self.tables()
         self.register_buffer("cos", cos, persistent=False)   # [max_pos, rotary_dim/2]
         self.register_buffer("sin", sin, persistent=False)
@@ -72,6 +72,8 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos(), freqs.sin()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self.rotary_dim:
+            return x
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim:]
         x1, x2 = rot.float().chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -101,7 +103,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.k_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.rotary = rotary
-        self.scale = (a.query_pre_attn_scalar or a.head_dim) ** -0.5
+        self.scale = a.scale if a.scale is not None else (a.query_pre_attn_scalar or a.head_dim) ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         q_rows = self.q_size * (2 if self.output_gate else 1)
@@ -199,13 +201,18 @@ class DecoderLayer(nn.Module):
             self.mixer = make_state_mixer(spec, kind)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         if spec.moe is not None and spec.moe.is_moe(layer_id):
-            from models.moe import SparseMoE
+            from models.moe import GraniteMoEBlock, SparseMoE
             m = spec.moe
-            self.mlp = SparseMoE(spec.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size,
-                                 m.num_experts, m.num_experts_per_tok, m.norm_topk_prob, spec.mlp.activation)
+            if m.style == "granite":
+                self.mlp = GraniteMoEBlock(spec.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size,
+                                           m.num_experts, m.num_experts_per_tok, spec.mlp.activation)
+            else:
+                self.mlp = SparseMoE(spec.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size,
+                                     m.num_experts, m.num_experts_per_tok, m.norm_topk_prob, spec.mlp.activation)
         else:
             self.mlp = GatedMLP(spec)
         self.sandwich = n.sandwich
+        self.residual_multiplier = spec.residual_multiplier
         if n.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
@@ -219,5 +226,9 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             x = x + self.post_attention_layernorm(self._mix(positions, self.input_layernorm(x), kv_cache))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        m = self.residual_multiplier
+        if m != 1.0:
+            x = x + self._mix(positions, self.input_layernorm(x), kv_cache) * m
+            return x + self.mlp(self.post_attention_layernorm(x)) * m
         x = x + self._mix(positions, self.input_layernorm(x), kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -25,7 +25,7 @@ ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
 CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "none")   # none: no positional rotation (Granite 4.0-H)
 
 
 class SpecError(ValueError):
@@ -41,6 +41,7 @@ class AttentionSpec:
     bias: bool = False         # bias on q/k/v projections (Qwen2)
     o_bias: bool = False
     output_gate: bool = False   # Qwen3-Next: q_proj also yields a per-head gate, out *= sigmoid(gate)
+    scale: float | None = None  # explicit softmax scale (Granite's attention_multiplier)
     sliding_window: int | None = None          # W for sliding_attention layers
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not head_dim**-0.5
 
@@ -97,8 +98,10 @@ class GatedDeltaNetSpec:
 
 @dataclass(slots=True)
 class MoESpec:
-    """Sparse MoE MLP (Qwen3-Next): softmax router, top-k (optionally renormalised), SwiGLU
-    experts, plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+    """Sparse MoE MLP. style qwen (Qwen3-Next): softmax router, top-k (optionally
+    renormalised), SwiGLU experts, plus a shared expert scaled by sigmoid(shared_expert_gate).
+    style granite (GraniteMoeHybrid): top-k then softmax, fused experts, plus an ungated
+    shared MLP; num_experts 0 leaves only the shared MLP."""
     num_experts: int
     num_experts_per_tok: int
     intermediate_size: int
@@ -106,8 +109,11 @@ class MoESpec:
     norm_topk_prob: bool = True
     decoder_sparse_step: int = 1          # layer i is MoE when (i + 1) % step == 0 ...
     mlp_only_layers: list = field(default_factory=list)   # ... and i is not listed here
+    style: str = "qwen"
 
     def is_moe(self, layer: int) -> bool:
+        if self.style == "granite":
+            return True
         return self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0 \
             and layer not in self.mlp_only_layers
 
@@ -174,6 +180,8 @@ class ModelSpec:
     gated_deltanet: GatedDeltaNetSpec | None = None   # required when a layer is gated_deltanet
     moe: MoESpec | None = None            # MoE MLPs (others use `mlp`)
     embedding_multiplier: float = 1.0    # Gemma: sqrt(hidden_size)
+    residual_multiplier: float = 1.0     # Granite: x + sublayer(x) * m
+    logits_scaling: float = 1.0          # Granite: logits / s
     tie_word_embeddings: bool = False
     dtype: str = "float32"
     max_model_len: int = 4096
@@ -293,6 +301,8 @@ def _validate(spec: ModelSpec, fail) -> None:
                ("rope.type", spec.rope.type, ROPE_TYPES)]
     if spec.rope_local is not None:
         choices.append(("rope_local.type", spec.rope_local.type, ROPE_TYPES))
+    if spec.moe is not None:
+        choices.append(("moe.style", spec.moe.style, ("qwen", "granite")))
     for where, value, allowed in choices:
         if value not in allowed:
             fail(where, f"{value!r} is not one of {', '.join(allowed)}")

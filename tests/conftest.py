@@ -20,7 +20,7 @@ def _tiny_config(family: str):
     # initializer_range 0.2: with the default 0.02 tiny models collapse to one repeated
     # token and parity would pass for the wrong reason (tests assert outputs vary).
     common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers={"gemma3": 6, "bamba": 4, "qwen3_next": 4}.get(family, 2),
+                  num_hidden_layers={"gemma3": 6, "bamba": 4, "qwen3_next": 4, "granite": 4}.get(family, 2),
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if family == "llama":
@@ -42,6 +42,14 @@ def _tiny_config(family: str):
                                num_experts_per_tok=2, moe_intermediate_size=32,
                                shared_expert_intermediate_size=48, full_attention_interval=4,
                                tie_word_embeddings=False)
+    if family == "granite":      # Granite-4.0-H: mamba2 + attention, MoE + shared MLP, multipliers
+        from transformers import GraniteMoeHybridConfig
+        c = {**common, "intermediate_size": 32}
+        return GraniteMoeHybridConfig(**c, shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                                      layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=4,
+                                      mamba_d_head=16, mamba_d_state=16, mamba_expand=1, mamba_chunk_size=8,
+                                      embedding_multiplier=2.0, attention_multiplier=0.3, residual_multiplier=0.5,
+                                      logits_scaling=1.5, tie_word_embeddings=False)
     return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
 
 
@@ -54,16 +62,16 @@ def tiny_hf(tmp_path_factory):
     def get(family: str):
         if family not in cache:
             torch.manual_seed(0)
-            from transformers import BambaForCausalLM, Qwen3NextForCausalLM
+            from transformers import BambaForCausalLM, GraniteMoeHybridForCausalLM, Qwen3NextForCausalLM
             cls = {"llama": LlamaForCausalLM, "qwen3": Qwen3ForCausalLM, "mistral": MistralForCausalLM,
                    "gemma3": Gemma3ForCausalLM, "bamba": BambaForCausalLM,
-                   "qwen3_next": Qwen3NextForCausalLM}[family]
+                   "qwen3_next": Qwen3NextForCausalLM, "granite": GraniteMoeHybridForCausalLM}[family]
             model = cls(_tiny_config(family)).eval()
-            if family == "qwen3_next":   # HF leaves the router and experts unset: seed them
+            if family in ("qwen3_next", "granite"):   # HF leaves routers and experts unset: seed them
                 gen = torch.Generator().manual_seed(3)
                 with torch.no_grad():
                     for name, p in model.named_parameters():
-                        if "experts" in name or name.endswith("mlp.gate.weight"):
+                        if any(k in name for k in ("experts", "mlp.gate.weight", "block_sparse_moe")):
                             p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
             path = tmp_path_factory.mktemp(family)
             model.save_pretrained(path)

@@ -1,7 +1,8 @@
 """Hybrid KV cache groups against HF: sliding-window layers (Mistral: all sliding; Gemma 3:
 5 sliding : 1 full, sandwich norms, local rope) with windows shorter than the prompts, and
 state layers (Bamba: mamba2 around a full-attention layer; Qwen3-Next: gated DeltaNet, gated
-full attention and MoE), whose states live in pool pages."""
+full attention and MoE; GraniteMoeHybrid: mamba2 + attention without rope, MoE + shared MLP
+and muP multipliers), whose states live in pool pages."""
 from __future__ import annotations
 
 import pytest
@@ -13,10 +14,10 @@ from tests.test_parity import NEW, REGIMES, _check_regime, _prompts
 HYBRID_REGIMES = {**{k: v for k, v in REGIMES.items() if k != "preempt"},
                   "chunked": dict(max_num_batched_tokens=7)}     # chunks off block edges
 # Pools just above one max_model_len request (window-limited groups hold ~4 blocks each).
-PREEMPT_BLOCKS = {"mistral": 12, "gemma3": 40, "bamba": 24, "qwen3_next": 24}
+PREEMPT_BLOCKS = {"mistral": 12, "gemma3": 40, "bamba": 24, "qwen3_next": 24, "granite": 24}
 
 
-@pytest.fixture(scope="module", params=["mistral", "gemma3", "bamba", "qwen3_next"])
+@pytest.fixture(scope="module", params=["mistral", "gemma3", "bamba", "qwen3_next", "granite"])
 def tiny(request, tiny_hf):
     path, model = tiny_hf(request.param)
     prompts = _prompts(TINY_VOCAB)
