@@ -39,3 +39,10 @@ def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], block_size: int, *
             f"/ kv_cache_memory or lower max_model_len")
     config.num_blocks = int(num_blocks)
     return config
+
+
+def requests_that_fit(config: KVCacheConfig, num_tokens: int, chunk_tokens: int | None = None) -> int:
+    """How many requests of `num_tokens` tokens the pool holds at once, every group counted:
+    window-limited groups only their window (plus a prefill chunk), state groups one state."""
+    per_request = sum(g.spec.max_live_blocks(num_tokens, chunk_tokens) for g in config.groups)
+    return (config.num_blocks - 1) // per_request

@@ -35,7 +35,9 @@ def checkpoint_dir(spec: ModelSpec) -> Path | None:
         return ensure_embedded(ck.name)
     path = spec.resolve_path(ck.path)
     if not path.is_dir():
-        raise WeightError(f"{spec.source_file or spec.name}: checkpoint.path: no such directory {path}")
+        raise WeightError(f"{spec.source_file or spec.name}: checkpoint.path: no such directory {path} "
+                          f"(download the weights there, or try the architecture with seeded random "
+                          f"weights: a spec with `checkpoint: {{source: dummy}}`, e.g. zoo/qwen3-next-small.yaml)")
     return path
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from cache.manager import KVCacheManager
-from cache.sizing import make_kv_cache_config
+from cache.sizing import make_kv_cache_config, requests_that_fit
 from models import build_model, load_weights, resolve_spec
 from models.builder import DTYPES
 from models.loader import checkpoint_dir
@@ -213,6 +213,10 @@ class Engine:
         if finished:
             self._detok.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished)
+
+    def kv_cache_capacity(self, num_tokens: int) -> int:
+        """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""
+        return requests_that_fit(self.kv_manager.config, num_tokens, self.config.max_num_batched_tokens)
 
     def kv_cache_stats(self) -> dict:
         stats = self.kv_manager.stats()

@@ -27,7 +27,12 @@ class LLM:
         return self.engine.tokenizer
 
     def kv_cache_stats(self) -> dict:
+        """Pool blocks (total, free), usage, preemptions and blocks in use per KV cache group."""
         return self.engine.kv_cache_stats()
+
+    def kv_cache_capacity(self, num_tokens: int) -> int:
+        """How many requests of `num_tokens` tokens the KV pool serves at once."""
+        return self.engine.kv_cache_capacity(num_tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:

@@ -258,4 +258,5 @@ def test_cli_reports_missing_weights(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "runtime.serve", str(spec), "--port", str(_free_port())],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().endswith(f"checkpoint.path: no such directory {tmp_path / 'nowhere'}")
+    assert f"checkpoint.path: no such directory {tmp_path / 'nowhere'} (download" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
