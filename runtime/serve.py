@@ -245,28 +245,10 @@ class OpenAIServer:
                     "finish_reason": out.outputs[0].finish_reason} for i, out in sorted(finals.items())]
         return {**head, "choices": choices, "usage": self.usage(started, finals.values(), body.n)}
 
-    async def _stream_completion(self, body, started, head) -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        finals = []
-        try:
-            async for i, out in self.merged(started):
-                c = out.outputs[0]
-                upto = self._held_back(body, c.text, out.finished)
-                delta = c.text[sent_text.get(i, 0): upto]
-                lp = self.completion_logprobs(out, body.logprobs, sent_tokens.get(i, 0))
-                if delta or out.finished or (lp and lp["tokens"]):
-                    sent_text[i] = max(upto, sent_text.get(i, 0))
-                    sent_tokens[i] = len(c.token_ids)
-                    yield _sse({**head, "choices": [{"index": i, "text": delta, "logprobs": lp,
-                                                     "finish_reason": c.finish_reason if out.finished else None}]})
-                if out.finished:
-                    finals.append(out)
-            if body.stream_options and body.stream_options.include_usage:
-                yield _sse({**head, "choices": [], "usage": self.usage(started, finals, body.n)})
-        except EngineDeadError as e:
-            yield _sse(error_body(str(e), "server_error", code="engine_dead"))
-        yield _sse("[DONE]")
+    def _stream_completion(self, body, started, head) -> AsyncIterator[str]:
+        return self._stream(body, started, head,
+                            lambda out, start: self.completion_logprobs(out, body.logprobs, start),
+                            lambda delta: {"text": delta})
 
     # ------------------------------------------------------------- /v1/chat/completions
     def chat_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
@@ -308,6 +290,14 @@ class OpenAIServer:
         for i, _, _ in started:
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
+        async for event in self._stream(body, started, head,
+                                        lambda out, start: self.chat_logprobs(out, body.top_logprobs, start),
+                                        lambda delta: {"delta": {"content": delta} if delta else {}}):
+            yield event
+
+    async def _stream(self, body, started, head, logprobs, choice) -> AsyncIterator[str]:
+        """SSE events as tokens arrive: one chunk per new text (and logprobs) per choice,
+        the finish reason on its last chunk, optional usage, then [DONE]."""
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finals = []
@@ -316,12 +306,11 @@ class OpenAIServer:
                 c = out.outputs[0]
                 upto = self._held_back(body, c.text, out.finished)
                 delta = c.text[sent_text.get(i, 0): upto]
-                lp = self.chat_logprobs(out, body.top_logprobs, sent_tokens.get(i, 0))
-                if delta or out.finished or (lp and lp["content"]):
+                lp = logprobs(out, sent_tokens.get(i, 0))
+                if delta or out.finished or (lp and next(iter(lp.values()))):
                     sent_text[i] = max(upto, sent_text.get(i, 0))
                     sent_tokens[i] = len(c.token_ids)
-                    yield _sse({**head, "choices": [{"index": i, "delta": {"content": delta} if delta else {},
-                                                     "logprobs": lp,
+                    yield _sse({**head, "choices": [{"index": i, **choice(delta), "logprobs": lp,
                                                      "finish_reason": c.finish_reason if out.finished else None}]})
                 if out.finished:
                     finals.append(out)
