@@ -17,7 +17,8 @@ class KVCacheBlock:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: bytes | None = None
+        # (group id, chained hash) while the block is in the prefix cache, else None.
+        self.block_hash: tuple[int, bytes] | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -92,6 +93,10 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.ref_cnt = 1  # pinned: never enters the free queue
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
+        # Prefix cache: (group, hash) -> block. Cached blocks stay here at ref_cnt 0, in the
+        # free queue, until the queue hands them out again (lazy LRU eviction).
+        self.cached: dict[tuple[int, bytes], KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_usable_blocks(self) -> int:
@@ -110,10 +115,30 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
-            block.block_hash = None  # evicted: its old contents are gone
+            if block.block_hash is not None:   # evicted: its old contents are gone
+                del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def get_cached_block(self, group: int, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get((group, block_hash))
+
+    def cache_block(self, block: KVCacheBlock, group: int, block_hash: bytes) -> None:
+        """Publish a full, computed block under its chained hash (first writer wins)."""
+        key = (group, block_hash)
+        if block.block_hash is None and key not in self.cached:
+            block.block_hash = key
+            self.cached[key] = block
+
+    def touch(self, blocks) -> None:
+        """Take a reference on cache hits; a block at ref_cnt 0 leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_block_queue.remove(block)
+            block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 join the free queue tail in

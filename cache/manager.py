@@ -15,10 +15,44 @@ from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, S
 class SingleTypeKVCacheManager:
     """Blocks of one KV cache group, per request, in logical order."""
 
-    def __init__(self, spec: KVCacheSpec, pool: BlockPool):
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int = 0):
         self.spec = spec
         self.pool = pool
+        self.group_id = group_id
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached: dict[str, int] = {}     # leading blocks already published per request
+
+    # ------------------------------------------------------------- prefix caching
+    def find_hit_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of this prefix the cache holds for this group."""
+        n = 0
+        for h in hashes:
+            if self.pool.get_cached_block(self.group_id, h) is None:
+                break
+            n += 1
+        return n
+
+    def needed_hit_range(self, num_blocks: int) -> range:
+        """Which of the first `num_blocks` hit blocks the request must hold (all of them)."""
+        return range(num_blocks)
+
+    def take_hits(self, request_id: str, hashes: list[bytes], num_blocks: int) -> None:
+        """Start the request's blocks with the cached ones (null where not needed)."""
+        needed = self.needed_hit_range(num_blocks)
+        blocks = [self.pool.get_cached_block(self.group_id, hashes[i]) if i in needed else self.pool.null_block
+                  for i in range(num_blocks)]
+        self.pool.touch(b for b in blocks if not b.is_null)
+        self.req_to_blocks[request_id] = blocks
+        self.num_cached[request_id] = num_blocks
+
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_full_blocks: int) -> None:
+        """Publish the request's newly full, computed blocks under their hashes."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        start = self.num_cached.get(request_id, 0)
+        for i in range(start, min(num_full_blocks, len(blocks), len(hashes))):
+            if not blocks[i].is_null:
+                self.pool.cache_block(blocks[i], self.group_id, hashes[i])
+        self.num_cached[request_id] = max(start, min(num_full_blocks, len(blocks), len(hashes)))
 
     def num_blocks_to_allocate(self, request_id: str, num_tokens: int) -> int:
         held = len(self.req_to_blocks.get(request_id, ()))
@@ -37,6 +71,7 @@ class SingleTypeKVCacheManager:
         # Tail first: when prefix caching keeps freed blocks, a prompt's last blocks are the
         # first evicted and its shared head survives longest.
         blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached.pop(request_id, None)
         self.pool.free_blocks(reversed(blocks))
 
 
@@ -54,7 +89,12 @@ class FullAttentionManager(SingleTypeKVCacheManager):
 class SlidingWindowManager(SingleTypeKVCacheManager):
     """Keeps only the blocks inside the window: once every query still to come starts at
     or after position p, keys before p - W + 1 are dead, and their blocks go back to the
-    pool. Their logical slots hold the null block so block indices stay positional."""
+    pool. Their logical slots hold the null block so block indices stay positional. A
+    prefix hit likewise only takes the cached blocks inside the window before the hit."""
+
+    def needed_hit_range(self, num_blocks: int) -> range:
+        first_needed = max(0, num_blocks * self.spec.block_size - self.spec.sliding_window + 1)
+        return range(first_needed // self.spec.block_size, num_blocks)
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         blocks = self.req_to_blocks.get(request_id)
@@ -74,7 +114,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 class StateManager(SingleTypeKVCacheManager):
     """A request's state takes `spec.pages` pages once, at admission, whatever its length;
-    they are updated in place every step and freed with the request."""
+    they are updated in place every step and freed with the request. (No prefix hits yet:
+    that needs state checkpoints at block boundaries.)"""
+
+    def find_hit_blocks(self, hashes: list[bytes]) -> int:
+        return 0
+
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_full_blocks: int) -> None:
+        pass
 
 
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
@@ -87,11 +134,39 @@ MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
 class KVCacheManager:
     """Facade over the pool and one manager per KV cache group."""
 
-    def __init__(self, config: KVCacheConfig):
+    def __init__(self, config: KVCacheConfig, enable_caching: bool = True):
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks)
-        self.managers = [MANAGER_FOR_SPEC[type(g.spec)](g.spec, self.pool) for g in config.groups]
+        self.managers = [MANAGER_FOR_SPEC[type(g.spec)](g.spec, self.pool, gid)
+                         for gid, g in enumerate(config.groups)]
+        # State groups cannot serve hits yet, and a hit must hold for every group.
+        self.enable_caching = enable_caching and not any(isinstance(g.spec, StateSpec) for g in config.groups)
+        self.prefix_cache_queries = 0      # tokens looked up (cumulative)
+        self.prefix_cache_hits = 0         # tokens found (cumulative)
+
+    # ------------------------------------------------------------- prefix caching
+    def reuse_prefix(self, request_id: str, hashes: list[bytes], num_tokens: int) -> int:
+        """Give a new request the longest cached prefix that every group holds; returns the
+        hit length in tokens. At least one token is always left to compute (its logits
+        are needed), so a hit stops one token short of `num_tokens`."""
+        if not self.enable_caching:
+            return 0
+        usable = hashes[: (num_tokens - 1) // self.block_size]
+        hit = min(m.find_hit_blocks(usable) for m in self.managers)
+        if hit:
+            for m in self.managers:
+                m.take_hits(request_id, usable, hit)
+        return hit * self.block_size
+
+    def record_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += hit_tokens
+
+    def cache_blocks(self, request_id: str, hashes: list[bytes], num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            for m in self.managers:
+                m.cache_blocks(request_id, hashes, num_computed_tokens // self.block_size)
 
     @property
     def num_groups(self) -> int:
@@ -139,4 +214,8 @@ class KVCacheManager:
              "blocks_in_use": sum(m.num_live_blocks(r) for r in m.req_to_blocks)}
             for gid, (g, m) in enumerate(zip(self.config.groups, self.managers))]
         return {"num_blocks": pool.num_usable_blocks, "num_free_blocks": pool.get_num_free_blocks(),
-                "block_size": self.block_size, "usage": pool.get_usage(), "groups": per_group}
+                "block_size": self.block_size, "usage": pool.get_usage(), "groups": per_group,
+                "prefix_caching": self.enable_caching,
+                "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
+                "prefix_cache_hit_rate": self.prefix_cache_hits / max(1, self.prefix_cache_queries),
+                "cached_blocks": len(pool.cached), "evictions": pool.num_evictions}

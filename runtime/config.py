@@ -17,6 +17,7 @@ class EngineConfig:
     attention_backend: str = "torch"
     device: str = "cpu"
     compile: bool = False
+    enable_prefix_caching: bool = True      # hits need every KV cache group (not state layers yet)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):

@@ -80,7 +80,7 @@ class Engine:
             num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
             min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
             chunk_tokens=config.max_num_batched_tokens)
-        self.kv_manager = KVCacheManager(kv_config)
+        self.kv_manager = KVCacheManager(kv_config, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
@@ -137,7 +137,10 @@ class Engine:
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:
             request_id = str(next(self._next_id))
-        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and not isinstance(salt, str):
+            raise ValueError("cache_salt must be a string")
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text, cache_salt=salt)
 
     def add_request(self, request: Request, stream_text: bool = False) -> None:
         p = request.sampling_params

@@ -22,6 +22,12 @@ class ServerMetrics:
                                      "KV blocks held per KV cache group", labels + ["group", "kind"], registry=r)
         self.kv_free = Gauge("zooinfer_kv_cache_free_blocks", "Free KV blocks", labels, registry=r)
         self.kv_total = Gauge("zooinfer_kv_cache_blocks", "Usable KV blocks", labels, registry=r)
+        self.prefix_queries = Gauge("zooinfer_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                    labels, registry=r)
+        self.prefix_hits = Gauge("zooinfer_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                 labels, registry=r)
+        self.prefix_hit_rate = Gauge("zooinfer_prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries",
+                                     labels, registry=r)
         self.preemptions = Counter("zooinfer_num_preemptions", "Requests preempted (recompute)", labels, registry=r)
         self.prompt_tokens = Counter("zooinfer_prompt_tokens", "Prompt tokens admitted", labels, registry=r)
         self.generation_tokens = Counter("zooinfer_generation_tokens", "Tokens generated", labels, registry=r)
@@ -45,6 +51,9 @@ class ServerMetrics:
         self.kv_total.labels(m).set(stats["num_blocks"])
         for g in stats["groups"]:
             self.kv_group_blocks.labels(m, str(g["group"]), g["kind"]).set(g["blocks_in_use"])
+        self.prefix_queries.labels(m).set(stats["prefix_cache_queries"])
+        self.prefix_hits.labels(m).set(stats["prefix_cache_hits"])
+        self.prefix_hit_rate.labels(m).set(stats["prefix_cache_hit_rate"])
         new = stats["num_preemptions"] - self._preemptions_seen
         if new > 0:
             self.preemptions.labels(m).inc(new)

@@ -31,10 +31,12 @@ class Request:
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling_params", "output_token_ids",
                  "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
-                 "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob")
+                 "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob",
+                 "cache_salt", "block_hashes")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None):
+                 eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None,
+                 cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt                # the text, when the user sent text
         self.prompt_token_ids = list(prompt_token_ids)
@@ -51,6 +53,10 @@ class Request:
         # One {token_id: Logprob} per output token when logprobs were asked for.
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # Prefix caching: chained hashes of the full blocks of all_token_ids (extended as
+        # tokens arrive); the salt keeps tenants' caches apart.
+        self.cache_salt = (cache_salt or "").encode()
+        self.block_hashes: list[bytes] = []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from cache.hashing import extend_block_hashes
 from cache.manager import KVCacheManager
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
@@ -120,11 +121,22 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted_req_ids \
                 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            hit, looked_up = 0, False
+            if self.kv.enable_caching and req.num_computed_tokens == 0:
+                looked_up = True
+                extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
+                hit = self.kv.reuse_prefix(req.request_id, req.block_hashes, req.num_tokens)
+                req.num_computed_tokens = hit
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
             new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
                                                  req.num_computed_tokens)
             if new_ids is None:
+                if hit:   # give the hit blocks back; the request retries from scratch later
+                    self.kv.free(req.request_id)
+                    req.num_computed_tokens = 0
                 break
+            if looked_up:
+                self.kv.record_lookup(req.num_tokens, hit)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
@@ -162,6 +174,9 @@ class Scheduler:
             if req is None:   # aborted while the step ran
                 continue
             req.num_computed_tokens += num
+            if self.kv.enable_caching:   # publish blocks that just became full and computed
+                extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
+                self.kv.cache_blocks(rid, req.block_hashes, req.num_computed_tokens)
             token = sampled.get(rid)
             if token is None:
                 continue

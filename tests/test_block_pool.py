@@ -129,13 +129,15 @@ def test_pool_null_block_pinned_and_never_handed_out():
 def test_get_new_blocks_sets_ref_cnt_and_clears_hash():
     pool = BlockPool(5)
     for b in pool.blocks[1:]:
-        b.block_hash = b"stale-%d" % b.block_id
+        pool.cache_block(b, 0, b"stale-%d" % b.block_id)
     got = pool.get_new_blocks(3)
     assert [b.block_id for b in got] == [1, 2, 3]
     assert all(b.ref_cnt == 1 and b.block_hash is None for b in got)
     assert all(not pool.free_block_queue.contains(b) for b in got)
+    assert pool.num_evictions == 3 and pool.get_cached_block(0, b"stale-1") is None
     # The block left in the queue keeps its hash (cached until reused).
-    assert pool.blocks[4].block_hash == b"stale-4"
+    assert pool.blocks[4].block_hash == (0, b"stale-4")
+    assert pool.get_cached_block(0, b"stale-4") is pool.blocks[4]
     assert pool.get_num_free_blocks() == 1
     assert pool.get_new_blocks(0) == []
     assert pool.get_num_free_blocks() == 1
@@ -282,7 +284,9 @@ def test_stats():
     s = kv.stats()
     assert s == {"num_blocks": 10, "num_free_blocks": 10, "block_size": 4, "usage": 0.0,
                  "groups": [{"group": 0, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0},
-                            {"group": 1, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0}]}
+                            {"group": 1, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0}],
+                 "prefix_caching": True, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                 "prefix_cache_hit_rate": 0.0, "cached_blocks": 0, "evictions": 0}
     kv.allocate_slots("a", 5)    # 2 per group
     kv.allocate_slots("b", 1)    # 1 per group
     s = kv.stats()

@@ -39,6 +39,7 @@ class FakeRunner:
     def __init__(self):
         self.tables: dict[str, list[list[int]]] = {}
         self.tokens: dict[str, list[int]] = {}
+        self.content: dict[tuple[int, int], int] = {}   # (block id, offset) -> token written there
 
     def execute(self, sched: Scheduler, out) -> dict[str, int]:
         for rid in out.finished_req_ids | out.preempted_req_ids:
@@ -53,7 +54,11 @@ class FakeRunner:
             req = sched.requests[new.req_id]
             assert new.token_ids == req.all_token_ids
             assert new.num_prompt_tokens == req.num_prompt_tokens
-            assert new.num_computed_tokens == req.num_computed_tokens == 0  # no prefix cache yet
+            assert new.num_computed_tokens == req.num_computed_tokens
+            if sched.kv.enable_caching:   # a hit: whole blocks, at least one token left
+                assert new.num_computed_tokens % BLOCK_SIZE == 0 and new.num_computed_tokens < req.num_tokens
+            else:
+                assert new.num_computed_tokens == 0
             self.tables[new.req_id] = [list(ids) for ids in new.block_ids]
             self.tokens[new.req_id] = list(new.token_ids)
         sampled = {}
@@ -67,6 +72,11 @@ class FakeRunner:
             # Every token of the step has a slot in the mirrored table, in every group.
             for table in self.tables[rid]:
                 assert len(table) == ceil_div(end, BLOCK_SIZE)
+                for pos in range(req.num_computed_tokens, end):   # "compute" = write the token
+                    block = table[pos // BLOCK_SIZE]
+                    shared = sched.kv.pool.blocks[block].block_hash is not None
+                    assert not shared, f"{rid} writes position {pos} into cached block {block}"
+                    self.content[(block, pos % BLOCK_SIZE)] = self.tokens[rid][pos]
             if end == req.num_tokens:
                 tok = fake_token(req)
                 sampled[rid] = tok
@@ -74,11 +84,12 @@ class FakeRunner:
         return sampled
 
 
-def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, num_groups=1):
+def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, num_groups=1,
+                   caching=False):
     specs = {layer: FullAttentionSpec(BLOCK_SIZE, 1 + layer, 8, torch.float32)
              for layer in range(num_groups)}
     cfg = make_kv_cache_config(specs, BLOCK_SIZE, num_blocks=num_blocks, min_tokens=max_model_len)
-    kv = KVCacheManager(cfg)
+    kv = KVCacheManager(cfg, enable_caching=caching)
     return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                      max_model_len=max_model_len)
 
@@ -86,15 +97,19 @@ def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_l
 def check_pool(sched: Scheduler, live_ids=None) -> None:
     kv = sched.kv
     pool = kv.pool
-    owner: dict[int, str] = {}
-    for m in kv.managers:
+    owner: dict[int, list[str]] = {}
+    for gid, m in enumerate(kv.managers):
         for rid, blocks in m.req_to_blocks.items():
             for b in blocks:
                 assert not b.is_null, f"{rid} owns the null block"
-                assert b.block_id not in owner, f"block {b.block_id} owned by {owner[b.block_id]} and {rid}"
-                owner[b.block_id] = rid
-                assert b.ref_cnt == 1, f"owned {b} has ref_cnt {b.ref_cnt}"
+                owner.setdefault(b.block_id, []).append(f"{rid}/{gid}")
                 assert not pool.free_block_queue.contains(b)
+    for bid, owners in owner.items():
+        # Shared (prefix-cached) blocks: one reference per owner; otherwise exactly one owner.
+        assert pool.blocks[bid].ref_cnt == len(owners), f"block {bid} owners {owners} ref_cnt {pool.blocks[bid].ref_cnt}"
+        if len(owners) > 1:
+            assert kv.enable_caching and pool.blocks[bid].block_hash is not None, f"unshared block {bid} owned by {owners}"
+        assert len({o.split("/")[1] for o in owners}) == 1, f"block {bid} in two groups: {owners}"
     free_ids = pool.free_block_queue.block_ids()
     assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
     assert 0 not in free_ids
@@ -113,13 +128,14 @@ def check_pool(sched: Scheduler, live_ids=None) -> None:
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), max_num_seqs=st.integers(1, 8),
-                max_num_batched_tokens=st.integers(3, 64), num_groups=st.sampled_from([1, 1, 2]))
-    def setup(self, num_blocks, max_num_seqs, max_num_batched_tokens, num_groups):
+                max_num_batched_tokens=st.integers(3, 64), num_groups=st.sampled_from([1, 1, 2]),
+                caching=st.booleans())
+    def setup(self, num_blocks, max_num_seqs, max_num_batched_tokens, num_groups, caching):
         # The pool must hold one full-length request in every group. make_kv_cache_config
         # only checks one group (see test_sizing_counts_every_group), so size it here.
         self.max_model_len = min(64, (num_blocks - 1) // num_groups * BLOCK_SIZE)
         self.sched = make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens,
-                                    self.max_model_len, num_groups)
+                                    self.max_model_len, num_groups, caching)
         self.runner = FakeRunner()
         self.next_id = 0
         self.finished: dict[str, Request] = {}
@@ -154,7 +170,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.sched.requests)), label="abort")
         req = self.sched.requests[rid]
         free_before = self.sched.kv.num_free_blocks()
-        held = sum(len(b) for b in self.sched.kv.get_block_ids(rid))
+        pool = self.sched.kv.pool
+        held = sum(pool.blocks[b].ref_cnt == 1 for ids in self.sched.kv.get_block_ids(rid) for b in ids)
         self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
         assert req.status == RequestStatus.FINISHED_ABORTED
         assert rid not in self.sched.requests
@@ -208,9 +225,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         sampled = self.runner.execute(sched, out)
         updated = sched.update(out, sampled)
         assert {r.request_id for r in updated} == set(sampled)
+        admitted = {n.req_id: n.num_computed_tokens for n in out.new_reqs}
         for rid, num in out.num_scheduled_tokens.items():
-            # Waiting requests (new or resumed) start from 0 computed tokens.
-            assert scheduled[rid].num_computed_tokens == computed_before[rid] + num
+            # Waiting requests (new or resumed) start from 0 computed tokens, or from a
+            # prefix-cache hit.
+            base = admitted.get(rid, computed_before[rid])
+            assert scheduled[rid].num_computed_tokens == base + num
         for req in updated:
             assert req.output_token_ids[-1] == sampled[req.request_id]
             if req.status.finished:
@@ -232,6 +252,26 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def pool_consistent(self):
         check_pool(self.sched)
+
+    @invariant()
+    def cached_blocks_match_their_hash(self):
+        """Every block in the prefix cache holds exactly the tokens its chained hash names:
+        the chain is recomputed from the tokens of a request that produced the hash."""
+        from cache.hashing import hash_block
+        kv = self.sched.kv
+        known = {}
+        for req in list(self.sched.requests.values()) + list(self.finished.values()):
+            for i, h in enumerate(req.block_hashes):
+                known[h] = req.all_token_ids[: (i + 1) * BLOCK_SIZE]
+        for (gid, h), block in kv.pool.cached.items():
+            assert block.block_hash == (gid, h)
+            tokens = known[h]
+            parent = None
+            for start in range(0, len(tokens), BLOCK_SIZE):
+                parent = hash_block(parent, tokens[start: start + BLOCK_SIZE])
+            assert parent == h
+            written = [self.runner.content.get((block.block_id, o)) for o in range(BLOCK_SIZE)]
+            assert written == list(tokens[-BLOCK_SIZE:]), f"block {block.block_id} content differs from its hash"
 
     @invariant()
     def holdings_match_computed(self):

@@ -201,7 +201,8 @@ def test_load_with_disconnects(server):
     headers = {"Authorization": f"Bearer {KEY}"}
 
     async def one(http: httpx.AsyncClient, i: int) -> int | None:
-        body = {"model": "tiny-chat", "prompt": f"request {i} says", "max_tokens": 24, "temperature": 0,
+        shared = "You are a helpful assistant. Answer briefly and politely. " * 3   # > 2 blocks
+        body = {"model": "tiny-chat", "prompt": f"{shared}request {i} says", "max_tokens": 24, "temperature": 0,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         chunks = 0
         async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
@@ -233,6 +234,9 @@ def test_load_with_disconnects(server):
     assert _metric(text, "zooinfer_num_requests_waiting") == 0
     assert _metric(text, "zooinfer_kv_cache_free_blocks") == _metric(text, "zooinfer_kv_cache_blocks")
     assert _metric(text, "zooinfer_request_success_total") >= 48
+    # every prompt shares its first block with the others: the prefix cache served them
+    assert _metric(text, "zooinfer_prefix_cache_hits") > 0
+    assert 0 < _metric(text, "zooinfer_prefix_cache_hit_rate") <= 1
     assert _metric(text, "zooinfer_time_to_first_token_seconds_count") >= 64
 
 

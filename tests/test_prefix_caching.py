@@ -1,0 +1,96 @@
+"""Prefix caching (full-attention and sliding-window groups): exact hit accounting, greedy
+output identical with caching on and off, LRU eviction, salts. State-layer hybrids report
+caching off until state checkpoints land."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _ids(n: int, seed: int, vocab: int = 512) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _gen(llm, prompts, params=GREEDY):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+@pytest.mark.parametrize("shared_blocks", [1, 3, 10])
+def test_hits_are_exact(tiny_hf, shared_blocks):
+    llm = LLM(tiny_hf("llama")[0])
+    base = _ids(shared_blocks * 16 + 9, seed=1)                 # k full blocks + a partial one
+    first = base + _ids(5, seed=2)
+    second = base[: shared_blocks * 16 + 4] + _ids(7, seed=3)   # diverges mid-block k+1
+    _gen(llm, [first])
+    s0 = llm.kv_cache_stats()
+    assert s0["prefix_cache_hits"] == 0 and s0["prefix_cache_queries"] == len(first)
+    _gen(llm, [second])
+    s1 = llm.kv_cache_stats()
+    assert s1["prefix_cache_hits"] == shared_blocks * 16
+    assert s1["prefix_cache_queries"] == len(first) + len(second)
+    assert s1["num_free_blocks"] == s1["num_blocks"] and s1["cached_blocks"] > 0
+
+
+def test_identical_prompt_leaves_one_token_to_compute(tiny_hf):
+    llm = LLM(tiny_hf("llama")[0])
+    p = _ids(48, seed=4)                                         # exactly 3 blocks
+    a = _gen(llm, [p])
+    b = _gen(llm, [p])
+    assert a == b
+    assert llm.kv_cache_stats()["prefix_cache_hits"] == 32      # the last block is recomputed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3"])
+def test_greedy_equal_with_caching_on_and_off(tiny_hf, family):
+    path, _ = tiny_hf(family)
+    shared = _ids(10 * 16, seed=5)
+    prompts = [shared[:16] + _ids(9, 6), shared[:16 + 5] + _ids(3, 7), shared[:48] + _ids(20, 8),
+               shared[:48 + 7] + _ids(4, 9), shared + _ids(2, 10), shared[:150] + _ids(11, 11),
+               shared[:16] + _ids(9, 6)]
+    off = _gen(LLM(path, enable_prefix_caching=False), prompts)
+    on = LLM(path, max_num_batched_tokens=40)
+    assert _gen(on, prompts) == off                  # one batch: hits between waves of admission
+    assert _gen(on, prompts) == off                  # again: everything hits
+    stats = on.kv_cache_stats()
+    assert stats["prefix_cache_hits"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    # Preempting under a tight pool still matches (resumed requests hit their own blocks).
+    # Pools just above one 200-token request (sliding groups hold their window + a chunk).
+    blocks = {"llama": 16, "qwen3": 16, "mistral": 12, "gemma3": 41}[family]
+    tight = LLM(path, num_kv_blocks=blocks, max_model_len=200, max_num_batched_tokens=32)
+    assert _gen(tight, prompts) == off
+    assert tight.kv_cache_stats()["num_preemptions"] > 0
+
+
+def test_lru_eviction_and_salt(tiny_hf):
+    llm = LLM(tiny_hf("llama")[0], num_kv_blocks=33, max_model_len=256)
+    a = _ids(64, seed=20)
+    _gen(llm, [a])
+    for seed in range(21, 26):          # fill the pool with other prompts: a's blocks get evicted
+        _gen(llm, [_ids(100, seed)])
+    stats = llm.kv_cache_stats()
+    assert stats["evictions"] > 0 and stats["cached_blocks"] <= stats["num_blocks"]
+    before = stats["prefix_cache_hits"]
+    _gen(llm, [a])
+    assert llm.kv_cache_stats()["prefix_cache_hits"] == before      # evicted: no hit
+    # A salt keeps identical prompts apart.
+    p = _ids(40, seed=30)
+    llm.generate({"prompt_token_ids": p, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)
+    h0 = llm.kv_cache_stats()["prefix_cache_hits"]
+    llm.generate({"prompt_token_ids": p, "cache_salt": "tenant-b"}, GREEDY, use_tqdm=False)
+    assert llm.kv_cache_stats()["prefix_cache_hits"] == h0
+    llm.generate({"prompt_token_ids": p, "cache_salt": "tenant-a"}, GREEDY, use_tqdm=False)
+    assert llm.kv_cache_stats()["prefix_cache_hits"] == h0 + 32
+
+
+def test_state_hybrids_report_caching_off(tiny_hf):
+    llm = LLM(tiny_hf("bamba")[0])
+    p = _ids(40, seed=40)
+    _gen(llm, [p, p])
+    stats = llm.kv_cache_stats()
+    assert stats["prefix_caching"] is False and stats["prefix_cache_hits"] == 0
