@@ -94,3 +94,22 @@ def test_state_hybrids_report_caching_off(tiny_hf):
     _gen(llm, [p, p])
     stats = llm.kv_cache_stats()
     assert stats["prefix_caching"] is False and stats["prefix_cache_hits"] == 0
+
+
+@pytest.mark.parametrize("spec", ["zoo/smollm2-135m.yaml", "zoo/gemma3-270m.yaml"])
+def test_real_models_equal_with_caching_on_and_off(spec):
+    """A shared system prompt (longer than Gemma's 512 window in the last case), distinct
+    questions diverging mid-block: identical greedy text with the cache on."""
+    system = "You are a careful assistant who answers in one short sentence. " * 4
+    long_doc = "The river flows north through the valley and past the old mill. " * 45
+    prompts = [system + "Question: what colour is the sky?", system + "Question: what is two plus two?",
+               system + "Question: name a fruit.", long_doc + "Where does the river flow?",
+               long_doc + "What stands by the river?"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    off = LLM(spec, enable_prefix_caching=False, max_model_len=1024)
+    on = LLM(spec, max_model_len=1024, max_num_batched_tokens=256)
+    ref = [o.outputs[0].token_ids for o in off.generate(prompts, params, use_tqdm=False)]
+    assert len(on.get_tokenizer().encode(long_doc)) > 512
+    got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
+    assert got == ref
+    assert on.kv_cache_stats()["prefix_cache_hits"] >= 3 * 32
