@@ -7,6 +7,7 @@ the scheduler, so a bad request is a ValueError for that request, never a broken
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -142,13 +143,28 @@ class Engine:
             raise ValueError("cache_salt must be a string")
         return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text, cache_salt=salt)
 
-    def add_request(self, request: Request, stream_text: bool = False) -> None:
+    def add_request(self, request: Request, stream_text: bool = False) -> list[str]:
+        """Schedule a request; with n > 1 it becomes n samples (ids: the request's, then
+        `<id>#1` ...), sample i seeded with seed + i. Returns the sample ids."""
         p = request.sampling_params
+        samples = [request]
+        if p.n > 1:
+            for i in range(1, p.n):
+                sp = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+                samples.append(Request(f"{request.request_id}#{i}", request.prompt_token_ids, sp,
+                                       self.eos_token_ids, request.max_tokens, prompt=request.prompt,
+                                       cache_salt=request.cache_salt.decode() or None))
+            request.sampling_params = dataclasses.replace(p, n=1)
         self.scheduler.add_request(request)
-        if self.tokenizer is not None and (p.stop or stream_text):
-            self._detok[request.request_id] = IncrementalDetokenizer(
-                self.tokenizer, request.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-                p.skip_special_tokens)
+        for child in samples[1:]:
+            self.scheduler.add_fork(child, request.request_id)
+        for s in samples:
+            sp = s.sampling_params
+            if self.tokenizer is not None and (sp.stop or stream_text):
+                self._detok[s.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, s.prompt_token_ids, sp.stop, sp.include_stop_str_in_output,
+                    sp.skip_special_tokens)
+        return [s.request_id for s in samples]
 
     def abort(self, request_ids) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)

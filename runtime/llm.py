@@ -48,20 +48,40 @@ class LLM:
         engine = self.engine
         # Validate everything before scheduling anything: one bad prompt leaves no work behind.
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
-        for req in requests:
-            engine.add_request(req)
-        order = {req.request_id: i for i, req in enumerate(requests)}
+        where: dict[str, tuple[int, int]] = {}          # sample id -> (prompt index, sample index)
+        expected: list[int] = []
+        for i, req in enumerate(requests):
+            ids = engine.add_request(req)
+            expected.append(len(ids))
+            for j, sid in enumerate(ids):
+                where[sid] = (i, j)
+        samples: list[dict[int, RequestOutput]] = [{} for _ in requests]
         results: list[RequestOutput | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while engine.has_unfinished():
                 for out in engine.step():
-                    if out.finished:
-                        results[order[out.request_id]] = out
+                    if not out.finished:
+                        continue
+                    i, j = where[out.request_id]
+                    samples[i][j] = out
+                    if len(samples[i]) == expected[i]:
+                        results[i] = self._merge(requests[i].request_id, samples[i])
                         bar.update(1)
         except BaseException:
-            engine.abort([r.request_id for r in requests])
+            engine.abort(list(where))
             raise
         finally:
             bar.close()
         return results
+
+    @staticmethod
+    def _merge(request_id: str, samples: dict[int, RequestOutput]) -> RequestOutput:
+        """One RequestOutput per prompt, its n samples as outputs[0..n-1]."""
+        first = samples[0]
+        outputs = []
+        for j in sorted(samples):
+            c = samples[j].outputs[0]
+            c.index = j
+            outputs.append(c)
+        return RequestOutput(request_id, first.prompt, first.prompt_token_ids, outputs, True)

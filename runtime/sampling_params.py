@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class SamplingParams:
-    n: int = 1                      # > 1 arrives with copy-on-write forks (prefix caching issue)
+    n: int = 1                      # samples per prompt; sample i uses seed + i (when seeded)
     temperature: float = 1.0        # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                  # 0 or -1: disabled
@@ -34,10 +34,8 @@ class SamplingParams:
         def bad(name: str, why: str):
             raise ValueError(f"SamplingParams.{name}: {why}, got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        if self.n > 1:
-            bad("n", "n > 1 is not supported yet (needs copy-on-write forks)")
+        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
+            bad("n", "must be an integer in [1, 64]")
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
             bad("temperature", "must be in [0, 100]")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

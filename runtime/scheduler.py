@@ -57,6 +57,10 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
+        # n > 1: samples 1.. wait here until sample 0 has computed the prompt; admitted then,
+        # they find its prompt blocks in the prefix cache and share them (only the partial
+        # last block is recomputed, where a fork would copy it).
+        self.forks: dict[str, list[Request]] = {}
 
     # ------------------------------------------------------------- admission / removal
     def add_request(self, request: Request) -> None:
@@ -64,6 +68,17 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_fork(self, request: Request, parent_id: str) -> None:
+        """Add a sample that starts once `parent_id` has computed its prompt."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.forks.setdefault(parent_id, []).append(request)
+
+    def _release_forks(self, parent_id: str) -> None:
+        for child in reversed(self.forks.pop(parent_id, [])):
+            self.waiting.appendleft(child)
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
         """End requests from outside the step (aborts, stop strings); frees their blocks."""
@@ -73,8 +88,12 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif req in self.waiting:
                 self.waiting.remove(req)
+            else:   # a sample still waiting for its parent's prompt
+                for children in self.forks.values():
+                    if req in children:
+                        children.remove(req)
             req.status = status
             self._free(req)
 
@@ -82,9 +101,10 @@ class Scheduler:
         self.kv.free(req.request_id)
         self._finished_since_last_step.add(req.request_id)
         del self.requests[req.request_id]
+        self._release_forks(req.request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.forks)
 
     # ------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
@@ -177,6 +197,8 @@ class Scheduler:
             if self.kv.enable_caching:   # publish blocks that just became full and computed
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
                 self.kv.cache_blocks(rid, req.block_hashes, req.num_computed_tokens)
+            if rid in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._release_forks(rid)
             token = sampled.get(rid)
             if token is None:
                 continue

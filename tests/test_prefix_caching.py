@@ -113,3 +113,37 @@ def test_real_models_equal_with_caching_on_and_off(spec):
     got = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
     assert got == ref
     assert on.kv_cache_stats()["prefix_cache_hits"] >= 3 * 32
+
+
+def test_n_samples_equal_separate_seeded_requests_and_share_the_prompt(tiny_hf):
+    path, _ = tiny_hf("llama")
+    prompt = _ids(16 * 3 + 5, seed=50)            # 3 full prompt blocks + a partial one
+    params = SamplingParams(n=4, temperature=1.0, top_k=40, seed=100, max_tokens=10, ignore_eos=True)
+    llm = LLM(path)
+    engine = llm.engine
+    ids = engine.add_request(engine.make_request({"prompt_token_ids": prompt}, params))
+    assert ids[1:] == [f"{ids[0]}#{i}" for i in range(1, 4)]
+    shared_seen = False
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.outputs[0].token_ids
+        tables = [engine.kv_manager.get_block_ids(i)[0] for i in ids if i in engine.scheduler.requests]
+        if len(tables) == 4 and all(len(t) >= 4 for t in tables):
+            assert len({tuple(t[:3]) for t in tables}) == 1      # the 3 full prompt blocks, stored once
+            blocks = engine.kv_manager.pool.blocks
+            assert all(blocks[b].ref_cnt == 4 for b in tables[0][:3])
+            shared_seen = True
+    assert shared_seen
+    samples = [outs[i] for i in ids]
+    assert len({tuple(s) for s in samples}) == 4
+    separate = [LLM(path).generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=1.0, top_k=40, seed=100 + i, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+        .outputs[0].token_ids for i in range(4)]
+    assert samples == separate
+    merged = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert [c.index for c in merged.outputs] == [0, 1, 2, 3]
+    assert [c.token_ids for c in merged.outputs] == separate
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]

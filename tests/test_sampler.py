@@ -336,7 +336,7 @@ def test_logprobs_ignore_temperature_and_filters():
     ({"max_tokens": 2.0}, "max_tokens"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 65}, "n"),
     ({"n": 0}, "n"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": -1}, "logprobs"),
