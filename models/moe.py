@@ -49,6 +49,14 @@ def _cfg(config: Any, key: str, default: Any = None) -> Any:
     return getattr(config, key, default)
 
 
+
+def _init_router_sizes(module: nn.Module, hidden_size: int, num_experts: int, top_k: int) -> None:
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
+    module.hidden_size = hidden_size
+    module.num_experts = num_experts
+    module.top_k = top_k
+
 class FusedExperts(nn.Module):
     """`num_experts` gated MLPs (act(x Wg^T) * x Wu^T) Wd^T with HF's fused 3-D weight layout."""
 
@@ -121,11 +129,7 @@ class SparseMoE(nn.Module):
                  num_experts: int, num_experts_per_tok: int, norm_topk_prob: bool = True,
                  activation: str = "silu"):
         super().__init__()
-        if not 0 < num_experts_per_tok <= num_experts:
-            raise ValueError(f"num_experts_per_tok={num_experts_per_tok} must be in [1, num_experts={num_experts}]")
-        self.hidden_size = hidden_size
-        self.num_experts = num_experts
-        self.top_k = num_experts_per_tok
+        _init_router_sizes(self, hidden_size, num_experts, num_experts_per_tok)
         self.norm_topk_prob = norm_topk_prob
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, hidden_size, moe_intermediate_size, activation)
@@ -175,11 +179,7 @@ class GraniteMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, num_experts_per_tok: int,
                  activation: str = "silu"):
         super().__init__()
-        if not 0 < num_experts_per_tok <= num_experts:
-            raise ValueError(f"num_experts_per_tok={num_experts_per_tok} must be in [1, num_experts={num_experts}]")
-        self.hidden_size = hidden_size
-        self.num_experts = num_experts
-        self.top_k = num_experts_per_tok
+        _init_router_sizes(self, hidden_size, num_experts, num_experts_per_tok)
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, activation)
 
