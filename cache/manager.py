@@ -114,14 +114,72 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
 class StateManager(SingleTypeKVCacheManager):
     """A request's state takes `spec.pages` pages once, at admission, whatever its length;
-    they are updated in place every step and freed with the request. (No prefix hits yet:
-    that needs state checkpoints at block boundaries.)"""
+    they are updated in place every step and freed with the request.
+
+    Prefix caching keeps state checkpoints: copies of a request's state right after a
+    block boundary (the last full block of its prompt), in pool pages published under that
+    block's hash and evicted like any cached block. A hit at block k starts the request
+    from a copy of checkpoint k. The copies themselves are tensor work: they are queued
+    here as (src pages, dst pages) and run by the model runner, loads before the forward,
+    saves after it."""
+
+    def __init__(self, spec: KVCacheSpec, pool: BlockPool, group_id: int = 0):
+        super().__init__(spec, pool, group_id)
+        # Pending copies of this step, by request (dropped if the request is freed first).
+        self.loads: dict[str, tuple[list[int], list[int]]] = {}
+        self.saves: dict[str, tuple[list[int], list[int], bytes]] = {}
+        self.pinned: list[KVCacheBlock] = []     # checkpoint pages in flight this step
+
+    def _keys(self, block_hash: bytes) -> list[bytes]:
+        return [block_hash + j.to_bytes(4, "little") for j in range(self.spec.pages)]
+
+    def has_checkpoint(self, block_hash: bytes) -> bool:
+        return all(self.pool.get_cached_block(self.group_id, k) is not None for k in self._keys(block_hash))
 
     def find_hit_blocks(self, hashes: list[bytes]) -> int:
+        for k in range(len(hashes), 0, -1):
+            if self.has_checkpoint(hashes[k - 1]):
+                return k
         return 0
+
+    def take_hits(self, request_id: str, hashes: list[bytes], num_blocks: int) -> None:
+        src = [self.pool.get_cached_block(self.group_id, k) for k in self._keys(hashes[num_blocks - 1])]
+        self.pool.touch(src)                    # pinned until the load has run
+        self.pinned.extend(src)
+        dst = self.pool.get_new_blocks(self.spec.pages)
+        self.req_to_blocks[request_id] = dst
+        self.loads[request_id] = ([b.block_id for b in src], [b.block_id for b in dst])
+
+    def plan_checkpoint(self, request_id: str, block_hash: bytes) -> bool:
+        """Queue a save of the request's state (as of the end of this step) under
+        `block_hash`, if there is room and no checkpoint exists yet."""
+        state = self.req_to_blocks.get(request_id)
+        if not state or request_id in self.saves or self.has_checkpoint(block_hash) \
+                or self.pool.get_num_free_blocks() < self.spec.pages:
+            return False
+        dst = self.pool.get_new_blocks(self.spec.pages)
+        self.pinned.extend(dst)
+        self.saves[request_id] = ([b.block_id for b in state], [b.block_id for b in dst], block_hash)
+        return True
+
+    def finish_step(self) -> None:
+        """After the runner copied: publish saved checkpoints, release every pin (the pages
+        stay cached at ref_cnt 0 until evicted)."""
+        for _, dst, block_hash in self.saves.values():
+            for block_id, key in zip(dst, self._keys(block_hash)):
+                self.pool.cache_block(self.pool.blocks[block_id], self.group_id, key)
+        self.pool.free_blocks(self.pinned)
+        self.loads, self.saves, self.pinned = {}, {}, []
 
     def cache_blocks(self, request_id: str, hashes: list[bytes], num_full_blocks: int) -> None:
         pass
+
+    def free(self, request_id: str) -> None:
+        # A request freed before its copies ran (preempted, aborted) must not copy into or
+        # out of pages that may be someone else's by then.
+        self.loads.pop(request_id, None)
+        self.saves.pop(request_id, None)
+        super().free(request_id)
 
 
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
@@ -140,8 +198,8 @@ class KVCacheManager:
         self.pool = BlockPool(config.num_blocks)
         self.managers = [MANAGER_FOR_SPEC[type(g.spec)](g.spec, self.pool, gid)
                          for gid, g in enumerate(config.groups)]
-        # State groups cannot serve hits yet, and a hit must hold for every group.
-        self.enable_caching = enable_caching and not any(isinstance(g.spec, StateSpec) for g in config.groups)
+        self.enable_caching = enable_caching
+        self.state_managers = [m for m in self.managers if isinstance(m, StateManager)]
         self.prefix_cache_queries = 0      # tokens looked up (cumulative)
         self.prefix_cache_hits = 0         # tokens found (cumulative)
 
@@ -153,11 +211,38 @@ class KVCacheManager:
         if not self.enable_caching:
             return 0
         usable = hashes[: (num_tokens - 1) // self.block_size]
-        hit = min(m.find_hit_blocks(usable) for m in self.managers)
+        kv_managers = [m for m in self.managers if not isinstance(m, StateManager)]
+        hit = min((m.find_hit_blocks(usable) for m in kv_managers), default=len(usable))
+        # State groups need a checkpoint exactly at the hit: the largest one at or below it.
+        while hit and not all(m.has_checkpoint(usable[hit - 1]) for m in self.state_managers):
+            hit -= 1
+        if hit and self.pool.get_num_free_blocks() < sum(m.spec.pages for m in self.state_managers):
+            hit = 0          # no room for the request's own state pages: start uncached
         if hit:
             for m in self.managers:
                 m.take_hits(request_id, usable, hit)
         return hit * self.block_size
+
+    def checkpoint_position(self, num_prompt_tokens: int) -> int:
+        """Where a prompt's state checkpoint goes: its last block boundary before the final
+        prompt token (0: none). The scheduler ends a prefill chunk exactly there."""
+        if not (self.enable_caching and self.state_managers):
+            return 0
+        return (num_prompt_tokens - 1) // self.block_size * self.block_size
+
+    def plan_checkpoints(self, request_id: str, block_hash: bytes) -> None:
+        for m in self.state_managers:
+            m.plan_checkpoint(request_id, block_hash)
+
+    def take_state_copies(self) -> tuple[list, list]:
+        """(loads, saves) per state group as [(group, src ids, dst ids)], for the runner."""
+        loads = [(m.group_id, src, dst) for m in self.state_managers for src, dst in m.loads.values()]
+        saves = [(m.group_id, src, dst) for m in self.state_managers for src, dst, _ in m.saves.values()]
+        return loads, saves
+
+    def finish_step(self) -> None:
+        for m in self.state_managers:
+            m.finish_step()
 
     def record_lookup(self, num_tokens: int, hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens

@@ -69,6 +69,14 @@ class ModelRunner:
                 caches[layer] = buffers[j].view(s.dtype).view(shape)
         return caches
 
+    def _copy_states(self, copies: list) -> None:
+        """Copy state pages (whole pool pages, every layer of the group)."""
+        for gid, src, dst in copies:
+            src_t, dst_t = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+            for layer in self.kv_config.groups[gid].layer_ids:
+                pages = self.kv_caches[layer]
+                pages.index_copy_(0, dst_t, pages.index_select(0, src_t))
+
     def _null_dead_slots(self) -> None:
         """Sliding groups: table slots of blocks wholly outside every future window point at
         the null block, as the cache manager has returned those blocks to the pool."""
@@ -148,8 +156,10 @@ class ModelRunner:
             # specialises sizes 0 and 1 of plain dynamic dims) and cost a recompile.
             torch._dynamo.decorators.mark_unbacked(ids_t, 0)
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
+        self._copy_states(so.state_loads)          # prefix hits: start from a checkpoint
         with set_forward_context(ForwardContext(self.backend, layer_meta)):
             hidden = self.forward(ids_t, pos_t, self.kv_caches)
+        self._copy_states(so.state_saves)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
         sample_rows = rows[done]
         if not len(sample_rows):

@@ -39,6 +39,10 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)   # leave the batch before this step
     preempted_req_ids: set[str] = field(default_factory=set)
+    # State checkpoint copies for the runner, [(group, src block ids, dst block ids)]:
+    # loads run before the forward (prefix hits), saves after it (new checkpoints).
+    state_loads: list = field(default_factory=list)
+    state_saves: list = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -116,7 +120,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, budget)
             if num_new <= 0:
                 i += 1
                 continue
@@ -133,6 +137,7 @@ class Scheduler:
                 break
             out.new_block_ids[req.request_id] = new_ids
             out.num_scheduled_tokens[req.request_id] = num_new
+            self._maybe_checkpoint(req, num_new)
             budget -= num_new
             scheduled.append(req)
             i += 1
@@ -147,7 +152,7 @@ class Scheduler:
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
                 hit = self.kv.reuse_prefix(req.request_id, req.block_hashes, req.num_tokens)
                 req.num_computed_tokens = hit
-            num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+            num_new = self._chunk(req, budget)
             new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
                                                  req.num_computed_tokens)
             if new_ids is None:
@@ -166,10 +171,28 @@ class Scheduler:
                 block_ids=self.kv.get_block_ids(req.request_id),
                 num_computed_tokens=req.num_computed_tokens))
             out.num_scheduled_tokens[req.request_id] = num_new
+            self._maybe_checkpoint(req, num_new)
             budget -= num_new
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        out.state_loads, out.state_saves = self.kv.take_state_copies()
         return out
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        """Tokens to schedule for `req`: up to its known tokens and the budget; a prefill
+        chunk of a state hybrid stops at the prompt's checkpoint position, so the state
+        there can be saved for prefix caching."""
+        num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+        c = self.kv.checkpoint_position(req.num_prompt_tokens)
+        if c and req.num_computed_tokens < c < req.num_computed_tokens + num_new:
+            num_new = c - req.num_computed_tokens
+        return num_new
+
+    def _maybe_checkpoint(self, req: Request, num_new: int) -> None:
+        c = self.kv.checkpoint_position(req.num_prompt_tokens)
+        if c and req.num_computed_tokens + num_new == c:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
+            self.kv.plan_checkpoints(req.request_id, req.block_hashes[c // self.kv.block_size - 1])
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
@@ -209,4 +232,5 @@ class Scheduler:
             if req.check_stop():
                 self.running.remove(req)
                 self._free(req)
+        self.kv.finish_step()
         return updated

@@ -1,6 +1,5 @@
-"""Prefix caching (full-attention and sliding-window groups): exact hit accounting, greedy
-output identical with caching on and off, LRU eviction, salts. State-layer hybrids report
-caching off until state checkpoints land."""
+"""Prefix caching for every layer kind: exact hit accounting, greedy output identical with
+caching on and off, LRU eviction, salts, state checkpoints for Mamba2 / Gated DeltaNet."""
 from __future__ import annotations
 
 import pytest
@@ -88,12 +87,40 @@ def test_lru_eviction_and_salt(tiny_hf):
     assert llm.kv_cache_stats()["prefix_cache_hits"] == h0 + 32
 
 
-def test_state_hybrids_report_caching_off(tiny_hf):
-    llm = LLM(tiny_hf("bamba")[0])
-    p = _ids(40, seed=40)
-    _gen(llm, [p, p])
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next", "granite"])
+@pytest.mark.parametrize("shared_blocks", [1, 3])
+def test_state_hybrids_hit_at_checkpoints(tiny_hf, family, shared_blocks):
+    """State layers keep a checkpoint at each prompt's last full block: a second request
+    that shares those k blocks hits exactly k * 16 tokens, and its output is unchanged."""
+    path, _ = tiny_hf(family)
+    first = _ids(shared_blocks * 16 + 5, seed=60)
+    second = first[: shared_blocks * 16] + _ids(9, seed=61)
+    off = _gen(LLM(path, enable_prefix_caching=False), [first, second])
+    llm = LLM(path)
+    assert _gen(llm, [first]) == off[:1]
+    assert llm.kv_cache_stats()["prefix_cache_hits"] == 0
+    assert _gen(llm, [second]) == off[1:]
     stats = llm.kv_cache_stats()
-    assert stats["prefix_caching"] is False and stats["prefix_cache_hits"] == 0
+    assert stats["prefix_cache_hits"] == shared_blocks * 16
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_state_hybrids_equal_with_caching_on_and_off(tiny_hf, family):
+    path, _ = tiny_hf(family)
+    shared = _ids(10 * 16, seed=70)
+    prompts = [shared[:32] + _ids(5, 71), shared[:32] + _ids(9, 72), shared + _ids(3, 73),
+               shared + _ids(12, 74), shared[:100] + _ids(4, 75)]
+    off = _gen(LLM(path, enable_prefix_caching=False), prompts)
+    on = LLM(path, max_num_batched_tokens=24)
+    assert _gen(on, prompts) == off
+    assert _gen(on, prompts) == off
+    assert on.kv_cache_stats()["prefix_cache_hits"] > 0
+    tight = LLM(path, num_kv_blocks=30, max_model_len=200, max_num_batched_tokens=32)
+    assert _gen(tight, prompts) == off
+    assert tight.kv_cache_stats()["num_preemptions"] > 0
+    stats = tight.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
 
 
 @pytest.mark.parametrize("spec", ["zoo/smollm2-135m.yaml", "zoo/gemma3-270m.yaml"])
