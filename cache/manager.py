@@ -267,8 +267,7 @@ class KVCacheManager:
         """
         for m in self.managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
-        need = sum(m.num_blocks_to_allocate(request_id, num_tokens) for m in self.managers)
-        if need > self.pool.get_num_free_blocks():
+        if not self.can_fit(self.num_blocks_needed(request_id, num_tokens)):
             return None
         return [[b.block_id for b in m.allocate_new_blocks(request_id, num_tokens)]
                 for m in self.managers]

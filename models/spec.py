@@ -20,7 +20,6 @@ import yaml
 # Layer kinds the zoo knows. Only full attention is built today; the others are declared so a
 # spec naming them gets a precise "not built yet" error rather than "unknown kind".
 IMPLEMENTED_LAYER_KINDS = ("full_attention", "sliding_attention", "mamba2", "gated_deltanet")
-PLANNED_LAYER_KINDS: tuple[str, ...] = ()
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
 ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -290,10 +289,8 @@ def _validate(spec: ModelSpec, fail) -> None:
     if lay.kinds is not None and len(lay.kinds) != lay.num:
         fail("layers.kinds", f"lists {len(lay.kinds)} layers but layers.num is {lay.num}")
     for i, kind in enumerate(kinds):
-        if kind in PLANNED_LAYER_KINDS:
-            fail(f"{kinds_field}[{i}]", f"layer kind '{kind}' is declared but not built yet")
         if kind not in IMPLEMENTED_LAYER_KINDS:
-            hint = _suggest(kind, IMPLEMENTED_LAYER_KINDS + PLANNED_LAYER_KINDS)
+            hint = _suggest(kind, IMPLEMENTED_LAYER_KINDS)
             fail(f"{kinds_field}[{i}]", f"unknown layer kind {kind!r}{hint}")
     choices = [("mlp.activation", spec.mlp.activation, ACTIVATIONS),
                ("dtype", spec.dtype, DTYPES),

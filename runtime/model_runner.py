@@ -40,7 +40,6 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.backend = get_backend(attention_backend)
         self.batch = InputBatch(max_num_reqs, max_model_len, [kv_config.block_size] * len(kv_config.groups))
-        self.layer_group = kv_config.layer_to_group()
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.sampler = Sampler()
         if compile and any(isinstance(g.spec, StateSpec) for g in kv_config.groups):
@@ -54,7 +53,7 @@ class ModelRunner:
         cfg = self.kv_config
         buffers = [torch.zeros(cfg.num_blocks, cfg.page_size_bytes, dtype=torch.uint8, device=self.device)
                    for _ in range(cfg.num_buffers)]
-        caches = [None] * len(self.layer_group)
+        caches = [None] * len(cfg.layer_to_group())
         for group in cfg.groups:
             s = group.spec
             if isinstance(s, StateSpec):        # states: pages as flat rows of the state dtype

@@ -57,6 +57,31 @@ def _assert_routing_varies(index: torch.Tensor) -> None:
     assert index.unique().numel() >= E - 2
 
 
+
+def _run_and_compare_routing(hf, hf_router, ours, x):
+    """Run both blocks on x; routing (indices exactly, weights to 1e-6) must agree and vary."""
+    with torch.no_grad():
+        ref = hf(x.unsqueeze(0)).squeeze(0)
+        out = ours(x)
+        _, ref_w, ref_idx = hf_router(x)
+        w, idx = ours.route(x)
+    torch.testing.assert_close(idx, ref_idx, rtol=0, atol=0)
+    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-6)
+    _assert_routing_varies(idx)
+    return ref, out, w, idx
+
+
+
+def _qwen_pair(seed: int):
+    """An HF Qwen3-Next MoE block with seeded weights and ours loaded from it."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+    hf = Qwen3NextSparseMoeBlock(_qwen_config(True)).eval()
+    _randomize(hf, seed=seed)
+    ours = SparseMoE.from_config(_qwen_config(True)).eval()
+    ours.load_state_dict(hf.state_dict())
+    return hf, ours
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_sparse_moe_matches_hf(norm_topk_prob):
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
@@ -70,14 +95,7 @@ def test_sparse_moe_matches_hf(norm_topk_prob):
     assert tuple(ours.experts.down_proj.shape) == (E, H, I_MOE)
 
     x = _inputs()
-    with torch.no_grad():
-        ref = hf(x.unsqueeze(0)).squeeze(0)
-        out = ours(x)
-        _, ref_w, ref_idx = hf.gate(x)
-        w, idx = ours.route(x)
-    torch.testing.assert_close(idx, ref_idx, rtol=0, atol=0)
-    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-6)
-    _assert_routing_varies(idx)
+    ref, out, w, idx = _run_and_compare_routing(hf, hf.gate, ours, x)
     sums = w.sum(-1)
     if norm_topk_prob:
         torch.testing.assert_close(sums, torch.ones_like(sums))
@@ -89,12 +107,7 @@ def test_sparse_moe_matches_hf(norm_topk_prob):
 
 
 def test_sparse_moe_decode_and_empty():
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
-    cfg = _qwen_config(True)
-    hf = Qwen3NextSparseMoeBlock(cfg).eval()
-    _randomize(hf, seed=3)
-    ours = SparseMoE.from_config(cfg).eval()
-    ours.load_state_dict(hf.state_dict())
+    hf, ours = _qwen_pair(seed=3)
     with torch.no_grad():
         for n in (1, 3):
             x = _inputs(n, seed=n)
@@ -103,12 +116,7 @@ def test_sparse_moe_decode_and_empty():
 
 
 def test_sparse_moe_bf16_close_to_hf():
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
-    cfg = _qwen_config(True)
-    hf = Qwen3NextSparseMoeBlock(cfg).eval()
-    _randomize(hf, seed=4)
-    ours = SparseMoE.from_config(cfg).eval()
-    ours.load_state_dict(hf.state_dict())
+    hf, ours = _qwen_pair(seed=4)
     hf, ours = hf.to(torch.bfloat16), ours.to(torch.bfloat16)
     x = _inputs(16, seed=5, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -143,14 +151,7 @@ def test_granite_moe_matches_hf():
     assert set(ours.state_dict()) == {"router.weight", "experts.gate_up_proj", "experts.down_proj"}
 
     x = _inputs(seed=11)
-    with torch.no_grad():
-        ref = hf(x.unsqueeze(0)).squeeze(0)
-        out = ours(x)
-        _, ref_w, ref_idx = hf.router(x)
-        w, idx = ours.route(x)
-    torch.testing.assert_close(idx, ref_idx, rtol=0, atol=0)
-    torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-6)
-    _assert_routing_varies(idx)
+    ref, out, w, idx = _run_and_compare_routing(hf, hf.router, ours, x)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
     # Full FFN half of a real decoder layer: block_sparse_moe(x) + shared_mlp(x), names as on the layer.
