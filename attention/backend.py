@@ -58,7 +58,8 @@ class AttentionBackend(ABC):
         """
 
 
-_BACKENDS: dict[str, str] = {"torch": "attention.torch_backend:TorchAttentionBackend"}
+_BACKENDS: dict[str, str] = {"torch": "attention.torch_backend:TorchAttentionBackend",
+                             "triton": "attention.triton_backend:TritonAttentionBackend"}
 
 
 def get_backend(name: str) -> AttentionBackend:
