@@ -59,7 +59,8 @@ class AttentionBackend(ABC):
 
 
 _BACKENDS: dict[str, str] = {"torch": "attention.torch_backend:TorchAttentionBackend",
-                             "triton": "attention.triton_backend:TritonAttentionBackend"}
+                             "triton": "attention.triton_backend:TritonAttentionBackend",
+                             "flashinfer": "attention.flashinfer_backend:FlashInferAttentionBackend"}
 
 
 def get_backend(name: str) -> AttentionBackend:

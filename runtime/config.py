@@ -18,9 +18,11 @@ class EngineConfig:
     device: str = "cpu"
     compile: bool = False
     enable_prefix_caching: bool = True      # hits need every KV cache group (not state layers yet)
+    cuda_graphs: bool = False               # replay captured decode steps (device='cuda', flashinfer)
+    cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
 
     def validate(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -28,5 +30,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if self.cuda_graphs and not str(self.device).startswith("cuda"):
+            raise ValueError(f"cuda_graphs=True needs device='cuda', got device={self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

@@ -88,7 +88,8 @@ class Engine:
         self.runner = ModelRunner(self.model, kv_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   attention_backend=config.attention_backend, device=config.device,
-                                  kv_dtype=dtype, compile=config.compile)
+                                  kv_dtype=dtype, compile=config.compile,
+                                  cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
         phase("KV cache")
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_id = itertools.count()

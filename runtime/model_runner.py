@@ -33,7 +33,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_config: KVCacheConfig, *, max_num_reqs: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], attention_backend: str = "torch",
                  device: str | torch.device = "cpu", kv_dtype: torch.dtype = torch.float32,
-                 compile: bool = False):
+                 compile: bool = False, cuda_graphs: bool = False, cuda_graph_max_bs: int = 256):
         self.model = model
         self.device = torch.device(device)
         self.kv_config = kv_config
@@ -46,6 +46,11 @@ class ModelRunner:
             raise ValueError("compile=True does not support state layers (mamba2, gated_deltanet) yet")
         self.compiled = compile
         self.forward = torch.compile(model.forward, dynamic=True, fullgraph=True) if compile else model.forward
+        self.graphs = None      # decode steps replay captured CUDA graphs (runtime/cuda_graphs.py)
+        if cuda_graphs:
+            from runtime.cuda_graphs import CudaGraphRunner
+            self.graphs = CudaGraphRunner(self, max_num_reqs, cuda_graph_max_bs)
+            self.graphs.capture()
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """One zeroed byte buffer of `num_blocks` pages per shared slot; layer j of every
@@ -71,7 +76,8 @@ class ModelRunner:
     def _copy_states(self, copies: list) -> None:
         """Copy state pages (whole pool pages, every layer of the group)."""
         for gid, src, dst in copies:
-            src_t, dst_t = torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long)
+            src_t = torch.tensor(src, dtype=torch.long, device=self.device)
+            dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
             for layer in self.kv_config.groups[gid].layer_ids:
                 pages = self.kv_caches[layer]
                 pages.index_copy_(0, dst_t, pages.index_select(0, src_t))
@@ -127,6 +133,7 @@ class ModelRunner:
         query_start_loc = np.concatenate(([0], cu))
 
         rows_t = torch.from_numpy(rows)
+        graph_bs = self.graphs.bucket_for(num_sched) if self.graphs is not None else None
         layer_meta = [None] * len(self.kv_caches)
         for gid, group in enumerate(self.kv_config.groups):
             table = b.block_table[gid]
@@ -141,7 +148,7 @@ class ModelRunner:
                                  slot_mapping=torch.from_numpy(table.slot_mapping(req_rows, positions)),
                                  block_size=table.block_size,
                                  sliding_window=getattr(group.spec, "sliding_window", None))
-            meta = self.backend.plan(layout, self.device)
+            meta = self.graphs.plan(graph_bs, gid, layout) if graph_bs else self.backend.plan(layout, self.device)
             for layer in group.layer_ids:
                 layer_meta[layer] = meta
 
@@ -157,7 +164,8 @@ class ModelRunner:
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
         self._copy_states(so.state_loads)          # prefix hits: start from a checkpoint
         with set_forward_context(ForwardContext(self.backend, layer_meta)):
-            hidden = self.forward(ids_t, pos_t, self.kv_caches)
+            hidden = self.graphs.replay(graph_bs, input_ids, positions) if graph_bs else \
+                self.forward(ids_t, pos_t, self.kv_caches)
         self._copy_states(so.state_saves)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
         sample_rows = rows[done]

@@ -92,7 +92,11 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
 
 
 def _exponential(shape, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
-    """Exp(1) noise as -log(U): same distribution as `exponential_`, several times faster on CPU."""
+    """Exp(1) noise as -log(U): same distribution as `exponential_`, several times faster on CPU.
+    A per-request generator lives on the CPU: its draws are made there and moved, so a seed
+    gives the same noise on every device."""
+    if generator is not None and torch.device(device or "cpu") != generator.device:
+        return torch.rand(shape, generator=generator).clamp_(min=1e-20).log_().neg_().to(device)
     return torch.rand(shape, generator=generator, device=device).clamp_(min=1e-20).log_().neg_()
 
 
