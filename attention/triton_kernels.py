@@ -200,3 +200,57 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
         QPK=qpk, GROUP=group, CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_PAD=max(_MIN_DOT, _pow2(head_dim)), TILE=TILE_N, USE_WINDOW=bool(window),
         DOT_DTYPE=_dot_dtype(q.dtype, interpret), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def _gated_delta_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, new_state_ptr,
+                      stride_qr, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+                      stride_gr, stride_br, stride_sr, stride_sh, stride_sk, stride_sv,
+                      stride_or, stride_oh, stride_nr, stride_nh, stride_nk, stride_nv,
+                      dk, dv, DK_PAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Program (request, head, value block): the [dk, BLOCK_V] slice of one head's state.
+    Value columns of the delta rule are independent, so the state splits along dv."""
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, DK_PAD)
+    j = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    i_ok = i < dk
+    j_ok = j < dv
+    mask = i_ok[:, None] & j_ok[None, :]
+    k = tl.load(k_ptr + r * stride_kr + h * stride_kh + i, mask=i_ok, other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + r * stride_qr + h * stride_qh + i, mask=i_ok, other=0.0).to(tl.float32)
+    v = tl.load(v_ptr + r * stride_vr + h * stride_vh + j, mask=j_ok, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(g_ptr + r * stride_gr + h).to(tl.float32))
+    beta = tl.load(beta_ptr + r * stride_br + h).to(tl.float32)
+    s = tl.load(state_ptr + r * stride_sr + h * stride_sh + i[:, None] * stride_sk + j[None, :] * stride_sv,
+                mask=mask, other=0.0).to(tl.float32) * decay
+    delta = (v - tl.reduce(s * k[:, None], 0, _SUM)) * beta       # [BLOCK_V]
+    s = s + k[:, None] * delta[None, :]
+    out = tl.reduce(s * q[:, None], 0, _SUM)
+    tl.store(out_ptr + r * stride_or + h * stride_oh + j, out.to(out_ptr.dtype.element_ty), mask=j_ok)
+    tl.store(new_state_ptr + r * stride_nr + h * stride_nh + i[:, None] * stride_nk + j[None, :] * stride_nv,
+             s.to(new_state_ptr.dtype.element_ty), mask=mask)
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, new_state: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One Gated DeltaNet decode token per request, the math of
+    `models.gated_deltanet.recurrent_gated_delta_step`: q, k [R, H, dk]; v [R, H, dv];
+    g, beta [R, H]; state [R, H, dk, dv]. Returns (out [R, H, dv] float32, new state). Pass
+    `new_state=state` to update the state in place (each program reads its slice before it
+    writes it, and no two programs share a slice)."""
+    num_reqs, heads, dk = q.shape
+    dv = v.shape[-1]
+    if new_state is None:
+        new_state = torch.empty_like(state)
+    out = torch.empty(num_reqs, heads, dv, dtype=torch.float32, device=q.device)
+    if num_reqs == 0:
+        return out, new_state
+    if g.stride(1) != 1 or beta.stride(1) != 1 or q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1:
+        raise ValueError("gated_delta_step: q, k, v, g and beta need a unit stride in their last dim")
+    block_v = min(_pow2(dv), 64)
+    _kernel(_gated_delta_step, _interpret(state))[(num_reqs, heads, triton.cdiv(dv, block_v))](
+        q, k, v, g, beta, state, out, new_state, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), beta.stride(0), *state.stride(), *out.stride()[:2],
+        *new_state.stride(), dk, dv, DK_PAD=_pow2(dk), BLOCK_V=block_v)
+    return out, new_state
