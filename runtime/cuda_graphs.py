@@ -145,6 +145,7 @@ class CudaGraphRunner:
                 layer_meta[layer] = metas[gid]
         return layer_meta
 
+    @torch.inference_mode()     # as `execute`: no autograd records in the captured graphs
     def capture(self) -> None:
         r, backend = self.runner, self.runner.backend
         start = time.perf_counter()
