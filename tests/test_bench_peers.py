@@ -1,0 +1,134 @@
+"""The side-by-side bench's pure helpers and its peer protocol (no peer engine needed).
+
+FLOP counts are checked against a token-by-token count written out the slow way, the protocol
+against a stand-in runner started through the real `PeerProcess` (stop/continue included).
+"""
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from bench.peers import HERE
+from bench.peers.client import PeerError, PeerProcess
+from bench.peers.compare import _attended_keys, agreement, gemm_shapes, summarize, workload_flops
+
+LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000)
+
+
+def slow_flops(cfg: dict, prompt_lens: list[int], new_tokens: int) -> int:
+    """Every matmul of every fed token, one token at a time."""
+    h, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or h // nh
+    types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
+    total = 0
+    for p in prompt_lens:
+        fed = p + new_tokens - 1
+        for t in range(fed):
+            for lt in types:
+                total += 2 * h * nh * hd + 2 * 2 * h * nkv * hd + 2 * nh * hd * h + 3 * 2 * h * inter
+                keys = t + 1
+                if lt == "sliding_attention":
+                    keys = min(keys, cfg["sliding_window"])
+                total += 2 * 2 * nh * hd * keys
+        total += new_tokens * 2 * h * vocab
+    return total
+
+
+@pytest.mark.parametrize("n,window", [(1, None), (7, None), (7, 3), (3, 7), (16, 16), (17, 16)])
+def test_attended_keys_matches_sum(n, window):
+    want = sum(min(t + 1, window) if window else t + 1 for t in range(n))
+    assert _attended_keys(n, window) == want
+
+
+def test_workload_flops_llama_exact():
+    f = workload_flops(LLAMA, [5, 9, 1], 4)
+    assert f["total"] == slow_flops(LLAMA, [5, 9, 1], 4)
+    assert f["body_tokens"] == (5 + 3) + (9 + 3) + (1 + 3)
+    assert f["sampled_tokens"] == 12
+    assert f["lm_head"] == 12 * 2 * 64 * 1000
+    assert f["linear"] + f["lm_head"] + f["attention"] == f["total"]
+
+
+def test_workload_flops_sliding_layers_and_head_dim():
+    cfg = dict(LLAMA, head_dim=32, sliding_window=4,
+               layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    f = workload_flops(cfg, [10, 3], 6)
+    assert f["total"] == slow_flops(cfg, [10, 3], 6)
+    full = workload_flops(dict(cfg, layer_types=None), [10, 3], 6)
+    assert full["attention"] > f["attention"] and full["linear"] == f["linear"]
+
+
+def test_gemm_shapes_follow_config():
+    assert gemm_shapes(LLAMA, 2048, 64) == [(2048, 64, 160), (2048, 160, 64), (2048, 64, 64),
+                                           (64, 64, 160), (64, 64, 1000)]
+
+
+def test_agreement_counts_and_prefixes():
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    got = [[1, 2, 3], [4, 0, 6], [0, 8, 9]]
+    a = agreement(got, ref)
+    assert (a["equal"], a["total"], a["min_common_prefix"], a["distinct_tokens"]) == (1, 3, 0, 8)
+    assert a["mean_common_prefix"] == pytest.approx((3 + 1 + 0) / 3)
+    with pytest.raises(ValueError, match="2 outputs vs 3"):
+        agreement(got[:2], ref)
+
+
+def test_summarize_median_and_spread():
+    s = summarize([2.0, 4.0, 1.0], 100)
+    assert s["out_tok_s"] == [50.0, 25.0, 100.0]
+    assert (s["median_out_tok_s"], s["min_out_tok_s"], s["max_out_tok_s"]) == (50.0, 25.0, 100.0)
+
+
+FAKE_RUNNER = """
+import os, sys
+sys.path.insert(0, {peers_dir!r})
+from protocol import serve
+
+def load(wl):
+    print("noise on stdout must not reach the protocol stream")
+    return {{"offset": wl["options"]["offset"], "calls": 0}}
+
+def generate(engine, prompts, n):
+    engine["calls"] += 1
+    if engine["calls"] > 3:
+        raise RuntimeError("third round exploded")
+    return [[(t + engine["offset"]) for t in p[:n]] for p in prompts]
+
+sys.exit(serve(load, generate, "fake 1.0"))
+"""
+
+
+def test_peer_process_round_trip(tmp_path):
+    script = tmp_path / "run_fake.py"
+    script.write_text(textwrap.dedent(FAKE_RUNNER.format(peers_dir=str(HERE))))
+    wl = {"prompts": [[1, 2, 3], [4, 5]], "new_tokens": 2, "warmup_prompts": [[9]], "warmup_new_tokens": 1,
+          "options": {"offset": 10}}
+    proc = PeerProcess("fake", wl, {}, python=sys.executable, script=script, timeout_s=60)
+    try:
+        assert proc.ready["version"] == "fake 1.0" and proc.ready["load_s"] >= 0
+        for _ in range(2):   # warm-up was call 1; rounds are calls 2 and 3
+            res = proc.run()
+            assert res["outputs"] == [[11, 12], [14, 15]] and res["seconds"] >= 0
+        with pytest.raises(PeerError, match="fake: RuntimeError: third round exploded"):
+            proc.run()
+    finally:
+        proc.close()
+    assert proc.proc.returncode == 1
+
+
+def test_peer_process_missing_venv_is_one_line(tmp_path):
+    with pytest.raises(PeerError, match=r"nope: no python at .*python_missing; run `python -m bench.peers.setup nope`"):
+        PeerProcess("nope", {}, {}, python=str(tmp_path / "python_missing"))
+
+
+def test_choose_engines():
+    from bench.throughput import choose_engines
+    assert choose_engines("hf,ours", None) == ["hf", "ours"]
+    assert choose_engines(None, "hf-cb,vllm,ours") == ["ours", "hf-cb", "vllm"]
+    assert choose_engines(None, None)[:2] == ["ours", "hf"]
+    with pytest.raises(SystemExit, match="unknown engine.*sglang"):
+        choose_engines(None, "sglang")
