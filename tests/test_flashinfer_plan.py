@@ -124,10 +124,12 @@ def fake_flashinfer(monkeypatch):
     return mod
 
 
-def _random_batch(window, heads=8, kv_heads=2, dim=16, bs=4, dtype=torch.bfloat16):
-    """Mixed batch on scattered blocks (dead sliding pages pointing at the null block)."""
-    g = torch.Generator().manual_seed(0)
-    reqs = [(9, 1), (0, 13), (6, 7), (0, 1), (25, 1), (17, 5)]   # (cached tokens, new tokens)
+MIXED = [(9, 1), (0, 13), (6, 7), (0, 1), (25, 1), (17, 5)]   # (cached tokens, new tokens)
+
+
+def _random_batch(window, heads=8, kv_heads=2, dim=16, bs=4, dtype=torch.bfloat16, reqs=MIXED, seed=0):
+    """A batch on scattered blocks (dead sliding pages pointing at the null block)."""
+    g = torch.Generator().manual_seed(seed)
     num_blocks = 64
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).numpy()
     table, used = np.zeros((len(reqs), 10), dtype=np.int32), 0
@@ -186,6 +188,32 @@ def test_forward_with_stand_in_kernels(fake_flashinfer, window):
     before = [id(x) for x in fi._slots[0].values()]
     fi.forward(q, k, v, fi_cache, fi.plan(layout, "cpu"), 0.25)
     assert [id(x) for x in fi._slots[0].values()] == before and len(fi._slots) == 1
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_graph_metadata_is_replanned_in_place(fake_flashinfer, window):
+    """A CUDA-graph bucket's metadata: planned lazily at the warm-up forward, then re-planned
+    in place for each step's padded decode batch; the tensors a graph would hold stay put."""
+    from runtime.cuda_graphs import dummy_decode_layout, pad_decode_layout
+    fi, torch_be = get_backend("flashinfer"), get_backend("torch")
+    meta = fi.graph_metadata(4, 10, 4, window, "cpu")
+    fi.plan_graph(meta, dummy_decode_layout(4, 4, 10, window))
+    _, cache, *_ = _random_batch(window)
+    warm = torch.zeros(4, 8, 16, dtype=torch.bfloat16)
+    fi.forward(warm, warm[:, :2], warm[:, :2], cache.clone(), meta, 0.25)        # warm-up: lazy plan
+    held = (meta.k_rows, meta.v_rows, meta.parts[0].wrapper)
+    for seed, reqs in enumerate(([(9, 1), (25, 1), (3, 1)], [(30, 1), (0, 1)])):
+        layout, cache, q, k, v = _random_batch(window, reqs=reqs, seed=seed + 1)
+        fi.plan_graph(meta, pad_decode_layout(layout, 4))
+        pad = lambda t: torch.cat((t, t.new_zeros(4 - len(t), *t.shape[1:])))   # noqa: E731
+        ref_cache, fi_cache = cache.clone(), cache.clone()
+        ref = torch_be.forward(q, k, v, ref_cache, torch_be.plan(layout, "cpu"), 0.25)
+        out = fi.forward(pad(q), pad(k), pad(v), fi_cache, meta, 0.25)[:len(reqs)]
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        assert torch.equal(fi_cache[1:], ref_cache[1:])          # dummies wrote only the null block
+        assert all(a is b for a, b in zip((meta.k_rows, meta.v_rows, meta.parts[0].wrapper), held))
+    assert _FakeWrapper.log == [("decode", 4, -1 if window is None else window - 1)] * 3
+    assert meta.parts[0].wrapper.kwargs["use_cuda_graph"] is True
 
 
 def test_forward_refuses_float32(fake_flashinfer):
