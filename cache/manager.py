@@ -67,6 +67,33 @@ class SingleTypeKVCacheManager:
         blocks.extend(new)
         return new
 
+    # ------------------------------------------------------------- forks
+    def num_fork_blocks(self, parent_id: str, num_tokens: int) -> int:
+        """New blocks a fork at `num_tokens` needs: the partial last block, if any."""
+        return int(num_tokens % self.spec.block_size != 0
+                   and len(self.req_to_blocks.get(parent_id, ())) > num_tokens // self.spec.block_size)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """Start `child_id` with the parent's cache for its first `num_tokens` tokens.
+
+        Full blocks are shared by reference: no token of either request is ever written to
+        them again. The partial last block is where both write their next tokens, so the
+        child gets its own copy now (copy-on-write, done at the fork because the write
+        follows in the next step anyway). Returns the (source, destination) pages to copy."""
+        bs = self.spec.block_size
+        blocks = self.req_to_blocks.get(parent_id, [])[: -(-num_tokens // bs)]
+        full = num_tokens // bs
+        child = list(blocks[:full])
+        self.pool.touch(b for b in child if not b.is_null)
+        copies = []
+        if len(blocks) > full:
+            dst = self.pool.get_new_blocks(1)[0]
+            copies.append((blocks[full], dst))
+            child.append(dst)
+        self.req_to_blocks[child_id] = child
+        self.num_cached[child_id] = min(self.num_cached.get(parent_id, 0), full)
+        return copies
+
     def free(self, request_id: str) -> None:
         # Tail first: when prefix caching keeps freed blocks, a prompt's last blocks are the
         # first evicted and its shared head survives longest.
@@ -174,6 +201,19 @@ class StateManager(SingleTypeKVCacheManager):
     def cache_blocks(self, request_id: str, hashes: list[bytes], num_full_blocks: int) -> None:
         pass
 
+    def num_fork_blocks(self, parent_id: str, num_tokens: int) -> int:
+        return self.spec.pages if self.req_to_blocks.get(parent_id) else 0
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
+        """A state is updated in place every step, so it is never shared: the child gets
+        its own pages holding a copy of the parent's state as of the fork."""
+        src = self.req_to_blocks.get(parent_id)
+        if not src:
+            return []
+        dst = self.pool.get_new_blocks(self.spec.pages)
+        self.req_to_blocks[child_id] = dst
+        return list(zip(src, dst))
+
     def free(self, request_id: str) -> None:
         # A request freed before its copies ran (preempted, aborted) must not copy into or
         # out of pages that may be someone else's by then.
@@ -202,6 +242,13 @@ class KVCacheManager:
         self.state_managers = [m for m in self.managers if isinstance(m, StateManager)]
         self.prefix_cache_queries = 0      # tokens looked up (cumulative)
         self.prefix_cache_hits = 0         # tokens found (cumulative)
+        # Fork copies for the runner, by child: [(group, src ids, dst ids)]. Their source
+        # pages are pinned (one extra reference) until the step that copies them is over.
+        self.fork_copies: dict[str, list[tuple[int, list[int], list[int]]]] = {}
+        self._pins_pending: dict[str, list[KVCacheBlock]] = {}
+        self._pins_in_flight: list[KVCacheBlock] = []
+        self.num_forks = 0
+        self.num_fork_copies = 0            # pages copied for forks (cumulative)
 
     # ------------------------------------------------------------- prefix caching
     def reuse_prefix(self, request_id: str, hashes: list[bytes], num_tokens: int) -> int:
@@ -234,15 +281,54 @@ class KVCacheManager:
         for m in self.state_managers:
             m.plan_checkpoint(request_id, block_hash)
 
-    def take_state_copies(self) -> tuple[list, list]:
-        """(loads, saves) per state group as [(group, src ids, dst ids)], for the runner."""
+    def take_copies(self) -> tuple[list, list]:
+        """Page copies for the runner as [(group, src ids, dst ids)]: (before the forward:
+        state checkpoint loads, then fork copies; after it: state checkpoint saves)."""
         loads = [(m.group_id, src, dst) for m in self.state_managers for src, dst in m.loads.values()]
+        for copies in self.fork_copies.values():
+            loads.extend(copies)
         saves = [(m.group_id, src, dst) for m in self.state_managers for src, dst, _ in m.saves.values()]
+        self.fork_copies = {}
+        for pins in self._pins_pending.values():
+            self._pins_in_flight.extend(pins)
+        self._pins_pending = {}
         return loads, saves
 
+    def num_pinned(self, block: KVCacheBlock) -> int:
+        """References held by fork copies not yet run (not by any request)."""
+        pins = self._pins_in_flight + [b for bl in self._pins_pending.values() for b in bl]
+        return sum(b is block for b in pins)
+
     def finish_step(self) -> None:
+        """After the runner ran the copies taken this step: release their pins."""
         for m in self.state_managers:
             m.finish_step()
+        self.pool.free_blocks(self._pins_in_flight)
+        self._pins_in_flight = []
+
+    # ------------------------------------------------------------- forks
+    def fork(self, parent_id: str, child_id: str, num_computed_tokens: int) -> bool:
+        """Start `child_id` from the parent's first `num_computed_tokens` computed tokens in
+        every group: full blocks shared (ref_cnt + 1), the partial block and state pages
+        copied by the runner before the next forward. All or nothing: False, allocating
+        nothing, when the pool cannot hold the copies (the child then computes from scratch)."""
+        if num_computed_tokens == 0:
+            return True
+        need = sum(m.num_fork_blocks(parent_id, num_computed_tokens) for m in self.managers)
+        if not self.can_fit(need):
+            return False
+        for m in self.managers:
+            pairs = m.fork(parent_id, child_id, num_computed_tokens)
+            if not pairs:
+                continue
+            src = [s for s, _ in pairs]
+            self.pool.touch(src)
+            self._pins_pending.setdefault(child_id, []).extend(src)
+            self.fork_copies.setdefault(child_id, []).append(
+                (m.group_id, [b.block_id for b in src], [d.block_id for _, d in pairs]))
+            self.num_fork_copies += len(pairs)
+        self.num_forks += 1
+        return True
 
     def record_lookup(self, num_tokens: int, hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -279,6 +365,10 @@ class KVCacheManager:
         return sum(m.num_blocks_to_allocate(request_id, num_tokens) for m in self.managers)
 
     def free(self, request_id: str) -> None:
+        # A fork freed before its copies ran: drop them (their destination pages go back to
+        # the pool) and unpin their sources.
+        self.fork_copies.pop(request_id, None)
+        self.pool.free_blocks(self._pins_pending.pop(request_id, ()))
         for m in self.managers:
             m.free(request_id)
 
@@ -302,4 +392,5 @@ class KVCacheManager:
                 "prefix_caching": self.enable_caching,
                 "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
                 "prefix_cache_hit_rate": self.prefix_cache_hits / max(1, self.prefix_cache_queries),
-                "cached_blocks": len(pool.cached), "evictions": pool.num_evictions}
+                "cached_blocks": len(pool.cached), "evictions": pool.num_evictions,
+                "forks": self.num_forks, "fork_copied_blocks": self.num_fork_copies}

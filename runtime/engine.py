@@ -21,6 +21,7 @@ from cache.sizing import make_kv_cache_config, requests_that_fit
 from models import build_model, load_weights, resolve_spec
 from models.builder import DTYPES
 from models.loader import checkpoint_dir
+from runtime.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import ModelRunner
@@ -167,6 +168,27 @@ class Engine:
                     sp.skip_special_tokens)
         return [s.request_id for s in samples]
 
+    def make_beam_search(self, prompt, params: BeamSearchParams) -> tuple[Request, BeamSearchGroup]:
+        """Validate one beam search: its first beam (greedy, returning the top 2W raw
+        logprobs each step) and the group that forks and ranks the beams."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam search params must be BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        sp = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True,
+                            logprobs=2 * params.beam_width)
+        req = self.make_request(prompt, sp)
+        return req, BeamSearchGroup(req.request_id, params, self.eos_token_ids, req.max_tokens)
+
+    def add_beam_search(self, req: Request, group: BeamSearchGroup) -> None:
+        self.scheduler.add_beam_search(req, group)
+
+    def beam_search_output(self, req: Request, group: BeamSearchGroup) -> BeamSearchOutput:
+        seqs = group.results()
+        if self.tokenizer is not None:
+            for seq in seqs:
+                seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return BeamSearchOutput(req.request_id, list(req.prompt_token_ids), seqs)
+
     def abort(self, request_ids) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
@@ -179,8 +201,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
         if so.is_empty:
-            # Only removals this step: still let the runner drop finished rows.
+            # Only removals (and maybe fork copies) this step: the runner still applies them.
             self.runner.execute(so)
+            self.scheduler.update(so, {})
             if self.scheduler.waiting and not self.scheduler.running:
                 # Sizing guarantees one max_model_len request fits, so this is a bug, and
                 # looping forever on it would hide it.

@@ -6,6 +6,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from runtime.beam_search import BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
@@ -74,6 +75,32 @@ class LLM:
         finally:
             bar.close()
         return results
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (all searches batched together); each output holds
+        the best `beam_width` sequences, best first. Beams are forked requests that share
+        their common prefix's KV blocks (see runtime/beam_search.py)."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        engine = self.engine
+        searches = [engine.make_beam_search(p, params) for p in prompts]   # validate all first
+        for req, group in searches:
+            engine.add_beam_search(req, group)
+        bar = tqdm(total=len(searches), desc="beam search", unit="req", disable=not use_tqdm)
+        try:
+            while engine.has_unfinished():
+                engine.step()
+                bar.n = sum(group.done for _, group in searches)
+                bar.refresh()
+        except BaseException:
+            beams = [rid for _, group in searches for rid in group.live]
+            for _, group in searches:
+                group.cancel()
+            engine.abort(beams)
+            raise
+        finally:
+            bar.close()
+        return [engine.beam_search_output(req, group) for req, group in searches]
 
     @staticmethod
     def _merge(request_id: str, samples: dict[int, RequestOutput]) -> RequestOutput:

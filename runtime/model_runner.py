@@ -73,8 +73,9 @@ class ModelRunner:
                 caches[layer] = buffers[j].view(s.dtype).view(shape)
         return caches
 
-    def _copy_states(self, copies: list) -> None:
-        """Copy state pages (whole pool pages, every layer of the group)."""
+    def _copy_pages(self, copies: list) -> None:
+        """Copy whole pool pages in every layer of a group: state checkpoints, and a fork's
+        copy-on-write pages (a partial KV block, a state)."""
         for gid, src, dst in copies:
             src_t = torch.tensor(src, dtype=torch.long, device=self.device)
             dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
@@ -107,6 +108,10 @@ class ModelRunner:
             b.block_table.append_row(new_ids, b.req_id_to_row[rid])
         for new in so.new_reqs:
             b.add_request(new, self.eos_token_ids)
+        for rid, token in so.replaced_tokens.items():   # beam search picked another token
+            row = b.req_id_to_row.get(rid)
+            if row is not None:
+                b.token_ids[row, b.num_tokens[row] - 1] = token
         self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
@@ -118,6 +123,7 @@ class ModelRunner:
                            count=len(so.num_scheduled_tokens))
         num_sched = np.fromiter(so.num_scheduled_tokens.values(), dtype=np.int64, count=len(rows))
         if not len(rows):
+            self._copy_pages(so.copies_before)   # a fork's copies still land before its first step
             return ModelRunnerOutput({}, None)
         # Keep persistent-batch order (stable across steps) for the step's requests.
         order = np.argsort(rows, kind="stable")
@@ -162,11 +168,11 @@ class ModelRunner:
             # specialises sizes 0 and 1 of plain dynamic dims) and cost a recompile.
             torch._dynamo.decorators.mark_unbacked(ids_t, 0)
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
-        self._copy_states(so.state_loads)          # prefix hits: start from a checkpoint
+        self._copy_pages(so.copies_before)         # checkpoint loads, fork copies
         with set_forward_context(ForwardContext(self.backend, layer_meta)):
             hidden = self.graphs.replay(graph_bs, input_ids, positions) if graph_bs else \
                 self.forward(ids_t, pos_t, self.kv_caches)
-        self._copy_states(so.state_saves)          # new checkpoints: the state after this step
+        self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
         sample_rows = rows[done]
         if not len(sample_rows):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from cache.hashing import extend_block_hashes
 from cache.manager import KVCacheManager
+from runtime.beam_search import BeamSearchGroup
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
 
@@ -39,10 +40,13 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int = 0
     finished_req_ids: set[str] = field(default_factory=set)   # leave the batch before this step
     preempted_req_ids: set[str] = field(default_factory=set)
-    # State checkpoint copies for the runner, [(group, src block ids, dst block ids)]:
-    # loads run before the forward (prefix hits), saves after it (new checkpoints).
-    state_loads: list = field(default_factory=list)
-    state_saves: list = field(default_factory=list)
+    # Page copies for the runner, [(group, src block ids, dst block ids)]. Before the
+    # forward: state checkpoint loads (prefix hits) and fork copies (copy-on-write of a
+    # partial block, a state); after it: state checkpoint saves.
+    copies_before: list = field(default_factory=list)
+    copies_after: list = field(default_factory=list)
+    # Beam search: running beams whose last token is not the one the runner sampled.
+    replaced_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -61,10 +65,15 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_since_last_step: set[str] = set()
         self.num_preemptions = 0
-        # n > 1: samples 1.. wait here until sample 0 has computed the prompt; admitted then,
-        # they find its prompt blocks in the prefix cache and share them (only the partial
-        # last block is recomputed, where a fork would copy it).
+        # n > 1: samples 1.. wait here until sample 0 has computed all but the last prompt
+        # token; then they fork from it (sharing its blocks) and every sample computes that
+        # last token itself, so each draws its first token from its own generator.
         self.forks: dict[str, list[Request]] = {}
+        # Waiting requests that already hold blocks (fresh forks); reclaimed first when the
+        # pool runs dry, so they never block the head of the queue.
+        self.held_waiting: set[str] = set()
+        self.beam_groups: dict[str, BeamSearchGroup] = {}      # beam request id -> its group
+        self._replaced_tokens: dict[str, int] = {}
 
     # ------------------------------------------------------------- admission / removal
     def add_request(self, request: Request) -> None:
@@ -74,15 +83,53 @@ class Scheduler:
         self.waiting.append(request)
 
     def add_fork(self, request: Request, parent_id: str) -> None:
-        """Add a sample that starts once `parent_id` has computed its prompt."""
+        """Add a sample of `parent_id`'s prompt that forks from it once the parent has
+        computed all but the last prompt token (at once for a one-token prompt)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.forks.setdefault(parent_id, []).append(request)
+        if request.num_prompt_tokens == 1:
+            self.waiting.append(request)
+        else:
+            self.forks.setdefault(parent_id, []).append(request)
 
-    def _release_forks(self, parent_id: str) -> None:
-        for child in reversed(self.forks.pop(parent_id, [])):
-            self.waiting.appendleft(child)
+    def add_beam_search(self, request: Request, group: BeamSearchGroup) -> None:
+        """Add the first beam of a beam search; the group forks the others."""
+        self.add_request(request)
+        self.beam_groups[request.request_id] = group
+        group.add_beam(request.request_id, [], 0.0)
+
+    def _fork_point(self, req: Request) -> int:
+        """Where the samples of `req` fork: before its last prompt token (0: no samples)."""
+        return req.num_prompt_tokens - 1 if req.request_id in self.forks else 0
+
+    def _release_forks(self, parent: Request) -> None:
+        """Start the parent's waiting samples: forked from its blocks when it stands exactly
+        at the fork point, otherwise (it ended early) as plain requests."""
+        at_point = parent.num_computed_tokens == parent.num_prompt_tokens - 1 and not parent.status.finished
+        for child in reversed(self.forks.pop(parent.request_id, [])):
+            self._start_fork(parent, child, at_point)
+
+    def _start_fork(self, parent: Request, child: Request, share: bool) -> None:
+        """Queue `child` at the head of the waiting queue, holding the parent's blocks for
+        its computed tokens when `share` and the pool has room for the copies."""
+        if share and parent.num_computed_tokens and \
+                self.kv.fork(parent.request_id, child.request_id, parent.num_computed_tokens):
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.block_hashes = list(parent.block_hashes)
+            self.held_waiting.add(child.request_id)
+        self.waiting.appendleft(child)
+
+    def _reclaim_held_waiting(self) -> bool:
+        """Free the blocks of waiting forks (they recompute, likely from the prefix cache);
+        True if any were held."""
+        if not self.held_waiting:
+            return False
+        for rid in self.held_waiting:
+            self.kv.free(rid)
+            self.requests[rid].num_computed_tokens = 0
+        self.held_waiting = set()
+        return True
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
         """End requests from outside the step (aborts, stop strings); frees their blocks."""
@@ -102,13 +149,22 @@ class Scheduler:
             self._free(req)
 
     def _free(self, req: Request) -> None:
-        self.kv.free(req.request_id)
-        self._finished_since_last_step.add(req.request_id)
-        del self.requests[req.request_id]
-        self._release_forks(req.request_id)
+        rid = req.request_id
+        self.kv.free(rid)
+        self.held_waiting.discard(rid)
+        self._replaced_tokens.pop(rid, None)
+        self._finished_since_last_step.add(rid)
+        del self.requests[rid]
+        self._release_forks(req)
+        group = self.beam_groups.pop(rid, None)
+        if group is not None:
+            group.discard(rid)
+            if group.round_complete():
+                self._advance_beams(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.forks)
+
 
     # ------------------------------------------------------------- one step
     def schedule(self) -> SchedulerOutput:
@@ -129,6 +185,8 @@ class Scheduler:
                                                  req.num_computed_tokens)
                 if new_ids is not None:
                     break
+                if self._reclaim_held_waiting():
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
@@ -154,15 +212,18 @@ class Scheduler:
                 req.num_computed_tokens = hit
             num_new = self._chunk(req, budget)
             new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
-                                                 req.num_computed_tokens)
+                                             req.num_computed_tokens)
             if new_ids is None:
                 if hit:   # give the hit blocks back; the request retries from scratch later
                     self.kv.free(req.request_id)
                     req.num_computed_tokens = 0
+                if req.request_id not in self.held_waiting and self._reclaim_held_waiting():
+                    continue
                 break
             if looked_up:
                 self.kv.record_lookup(req.num_tokens, hit)
             self.waiting.popleft()
+            self.held_waiting.discard(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.new_reqs.append(NewRequestData(
@@ -173,9 +234,12 @@ class Scheduler:
             out.num_scheduled_tokens[req.request_id] = num_new
             self._maybe_checkpoint(req, num_new)
             budget -= num_new
+            if hit and req.num_computed_tokens == self._fork_point(req):
+                self._release_forks(req)    # the prefix hit reached the fork point
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
-        out.state_loads, out.state_saves = self.kv.take_state_copies()
+        out.copies_before, out.copies_after = self.kv.take_copies()
+        out.replaced_tokens, self._replaced_tokens = self._replaced_tokens, {}
         return out
 
     def _chunk(self, req: Request, budget: int) -> int:
@@ -183,9 +247,9 @@ class Scheduler:
         chunk of a state hybrid stops at the prompt's checkpoint position, so the state
         there can be saved for prefix caching."""
         num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-        c = self.kv.checkpoint_position(req.num_prompt_tokens)
-        if c and req.num_computed_tokens < c < req.num_computed_tokens + num_new:
-            num_new = c - req.num_computed_tokens
+        for c in (self.kv.checkpoint_position(req.num_prompt_tokens), self._fork_point(req)):
+            if c and req.num_computed_tokens < c < req.num_computed_tokens + num_new:
+                num_new = c - req.num_computed_tokens
         return num_new
 
     def _maybe_checkpoint(self, req: Request, num_new: int) -> None:
@@ -212,6 +276,7 @@ class Scheduler:
         got a new token (finished ones have a finished status and no blocks any more).
         """
         updated: list[Request] = []
+        rounds_done: list[BeamSearchGroup] = []
         for rid, num in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None:   # aborted while the step ran
@@ -220,10 +285,15 @@ class Scheduler:
             if self.kv.enable_caching:   # publish blocks that just became full and computed
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
                 self.kv.cache_blocks(rid, req.block_hashes, req.num_computed_tokens)
-            if rid in self.forks and req.num_computed_tokens >= req.num_prompt_tokens:
-                self._release_forks(rid)
+            if req.num_computed_tokens == self._fork_point(req):
+                self._release_forks(req)
             token = sampled.get(rid)
             if token is None:
+                continue
+            group = self.beam_groups.get(rid)
+            if group is not None:   # a beam pauses until its whole group has reported
+                if group.record(rid, logprobs[rid]["top"]):
+                    rounds_done.append(group)
                 continue
             req.append_output_token(token)
             if req.logprobs is not None and logprobs is not None:
@@ -232,5 +302,36 @@ class Scheduler:
             if req.check_stop():
                 self.running.remove(req)
                 self._free(req)
+        for group in rounds_done:
+            self._advance_beams(group)
         self.kv.finish_step()
         return updated
+
+    def _advance_beams(self, group: BeamSearchGroup) -> None:
+        """Apply a finished round: chosen beams take their token (forking once per extra
+        choice), the others end and free their blocks."""
+        decisions = group.select()
+        ended = []
+        for beam_id, choices in decisions.items():
+            req = self.requests[beam_id]
+            if not choices:
+                ended.append(beam_id)
+                continue
+            for token, cum in choices[1:]:
+                child = Request(group.new_beam_id(), req.prompt_token_ids, req.sampling_params,
+                                req.eos_token_ids, req.max_tokens, prompt=req.prompt,
+                                cache_salt=req.cache_salt.decode() or None)
+                child.output_token_ids = req.output_token_ids + [token]
+                child.all_token_ids = req.all_token_ids + [token]
+                self.requests[child.request_id] = child
+                self.beam_groups[child.request_id] = group
+                group.add_beam(child.request_id, child.output_token_ids, cum)
+                self._start_fork(req, child, share=True)
+            token, cum = choices[0]
+            req.append_output_token(token)
+            group.add_beam(beam_id, req.output_token_ids, cum)
+            self._replaced_tokens[beam_id] = token
+        # Beam order for the next round: best first (it only breaks exact score ties).
+        group.live = dict(sorted(group.live.items(), key=lambda kv: -kv[1].cum_logprob))
+        if ended:
+            self.finish_requests(ended, RequestStatus.FINISHED_STOPPED)

@@ -142,11 +142,12 @@ def test_real_models_equal_with_caching_on_and_off(spec):
     assert on.kv_cache_stats()["prefix_cache_hits"] >= 3 * 32
 
 
-def test_n_samples_equal_separate_seeded_requests_and_share_the_prompt(tiny_hf):
+@pytest.mark.parametrize("caching", [True, False])
+def test_n_samples_equal_separate_seeded_requests_and_share_the_prompt(tiny_hf, caching):
     path, _ = tiny_hf("llama")
     prompt = _ids(16 * 3 + 5, seed=50)            # 3 full prompt blocks + a partial one
     params = SamplingParams(n=4, temperature=1.0, top_k=40, seed=100, max_tokens=10, ignore_eos=True)
-    llm = LLM(path)
+    llm = LLM(path, enable_prefix_caching=caching)
     engine = llm.engine
     ids = engine.add_request(engine.make_request({"prompt_token_ids": prompt}, params))
     assert ids[1:] == [f"{ids[0]}#{i}" for i in range(1, 4)]
@@ -163,6 +164,9 @@ def test_n_samples_equal_separate_seeded_requests_and_share_the_prompt(tiny_hf):
             assert all(blocks[b].ref_cnt == 4 for b in tables[0][:3])
             shared_seen = True
     assert shared_seen
+    # Forked after 52 prompt tokens: each sample copied the partial 4th block once.
+    stats = llm.kv_cache_stats()
+    assert (stats["forks"], stats["fork_copied_blocks"]) == (3, 3)
     samples = [outs[i] for i in ids]
     assert len({tuple(s) for s in samples}) == 4
     separate = [LLM(path).generate({"prompt_token_ids": prompt}, SamplingParams(
@@ -174,3 +178,24 @@ def test_n_samples_equal_separate_seeded_requests_and_share_the_prompt(tiny_hf):
     assert [c.token_ids for c in merged.outputs] == separate
     stats = llm.kv_cache_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("family", ["mistral", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_n_samples_fork_every_layer_kind(tiny_hf, family, caching):
+    """Forks share or copy every kind of group (sliding blocks, Mamba2 / DeltaNet states):
+    n seeded samples equal n separate requests, with or without the prefix cache."""
+    path, _ = tiny_hf(family)
+    prompt = _ids(16 * 2 + 7, seed=51)
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
+    llm = LLM(path, enable_prefix_caching=caching, max_model_len=128)
+    got = [c.token_ids for c in llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs]
+    stats = llm.kv_cache_stats()
+    assert stats["forks"] == 2 and stats["fork_copied_blocks"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+    ref_llm = LLM(path, enable_prefix_caching=False, max_model_len=128)
+    ref = [ref_llm.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=1.0, seed=7 + i, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+        for i in range(3)]
+    assert got == ref
+    assert len({tuple(s) for s in got}) == 3

@@ -5,6 +5,8 @@ the SchedulerOutput deltas alone and samples a deterministic token for every req
 scheduled tokens reach the end of its sequence. After every rule the pool's bookkeeping, the
 scheduler's limits and the mirrored block tables are checked against each other.
 """
+from collections import Counter
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -40,11 +42,19 @@ class FakeRunner:
         self.tables: dict[str, list[list[int]]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.content: dict[tuple[int, int], int] = {}   # (block id, offset) -> token written there
+        self.forked: set[str] = set()                     # samples 1.. of n > 1 requests
 
     def execute(self, sched: Scheduler, out) -> dict[str, int]:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tables.pop(rid, None)
             self.tokens.pop(rid, None)
+        for _, src, dst in out.copies_before:   # fork copy-on-write: whole pages
+            for s, d in zip(src, dst):
+                for o in range(BLOCK_SIZE):
+                    if (s, o) in self.content:
+                        self.content[(d, o)] = self.content[(s, o)]
+                    else:
+                        self.content.pop((d, o), None)
         for rid, new_ids in out.new_block_ids.items():
             assert rid in self.tables, f"block delta for {rid} which is not in the batch"
             for table, ids in zip(self.tables[rid], new_ids):
@@ -55,7 +65,10 @@ class FakeRunner:
             assert new.token_ids == req.all_token_ids
             assert new.num_prompt_tokens == req.num_prompt_tokens
             assert new.num_computed_tokens == req.num_computed_tokens
-            if sched.kv.enable_caching:   # a hit: whole blocks, at least one token left
+            at_fork_point = new.req_id in self.forked and new.num_computed_tokens == req.num_prompt_tokens - 1
+            if at_fork_point:   # a fork holding its parent's blocks
+                pass
+            elif sched.kv.enable_caching:   # a hit: whole blocks, at least one token left
                 assert new.num_computed_tokens % BLOCK_SIZE == 0 and new.num_computed_tokens < req.num_tokens
             else:
                 assert new.num_computed_tokens == 0
@@ -74,8 +87,11 @@ class FakeRunner:
                 assert len(table) == ceil_div(end, BLOCK_SIZE)
                 for pos in range(req.num_computed_tokens, end):   # "compute" = write the token
                     block = table[pos // BLOCK_SIZE]
-                    shared = sched.kv.pool.blocks[block].block_hash is not None
-                    assert not shared, f"{rid} writes position {pos} into cached block {block}"
+                    cached = sched.kv.pool.blocks[block].block_hash is not None
+                    assert not cached, f"{rid} writes position {pos} into cached block {block}"
+                    owners = [r for m in sched.kv.managers for r, bl in m.req_to_blocks.items()
+                              if any(b.block_id == block for b in bl)]
+                    assert owners == [rid], f"{rid} writes position {pos} into block {block} shared with {owners}"
                     self.content[(block, pos % BLOCK_SIZE)] = self.tokens[rid][pos]
             if end == req.num_tokens:
                 tok = fake_token(req)
@@ -104,23 +120,31 @@ def check_pool(sched: Scheduler, live_ids=None) -> None:
                 assert not b.is_null, f"{rid} owns the null block"
                 owner.setdefault(b.block_id, []).append(f"{rid}/{gid}")
                 assert not pool.free_block_queue.contains(b)
+    for gid, m in enumerate(kv.managers):
+        for rid, blocks in m.req_to_blocks.items():
+            for i, b in enumerate(blocks):
+                if len(owner[b.block_id]) > 1:   # shared (prefix hit or fork): full and computed for all
+                    computed = sched.requests[rid].num_computed_tokens
+                    assert (i + 1) * BLOCK_SIZE <= computed, f"{rid} shares block {b.block_id} it still writes"
+    pinned = {}
+    for bid in {b.block_id for b in kv._pins_in_flight} | {b.block_id for bl in kv._pins_pending.values() for b in bl}:
+        pinned[bid] = kv.num_pinned(pool.blocks[bid])
     for bid, owners in owner.items():
-        # Shared (prefix-cached) blocks: one reference per owner; otherwise exactly one owner.
-        assert pool.blocks[bid].ref_cnt == len(owners), f"block {bid} owners {owners} ref_cnt {pool.blocks[bid].ref_cnt}"
-        if len(owners) > 1:
-            assert kv.enable_caching and pool.blocks[bid].block_hash is not None, f"unshared block {bid} owned by {owners}"
+        # One reference per owner (several: shared), plus pins of fork copies not yet run.
+        assert pool.blocks[bid].ref_cnt == len(owners) + pinned.get(bid, 0), \
+            f"block {bid} owners {owners} ref_cnt {pool.blocks[bid].ref_cnt}"
         assert len({o.split("/")[1] for o in owners}) == 1, f"block {bid} in two groups: {owners}"
     free_ids = pool.free_block_queue.block_ids()
     assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
     assert 0 not in free_ids
     for bid in free_ids:
         assert pool.blocks[bid].ref_cnt == 0
-    assert set(free_ids).isdisjoint(owner)
-    assert len(free_ids) + len(owner) == pool.num_blocks - 1
+    assert set(free_ids).isdisjoint(owner) and set(free_ids).isdisjoint(pinned)
+    assert len(free_ids) + len(set(owner) | set(pinned)) == pool.num_blocks - 1
     assert all(b.ref_cnt >= 0 for b in pool.blocks)
     assert pool.null_block.ref_cnt == 1
-    # Only live (running) requests own blocks; owners are all known to the scheduler.
-    running_ids = {r.request_id for r in sched.running}
+    # Only running requests and fresh forks own blocks; owners are all known to the scheduler.
+    running_ids = {r.request_id for r in sched.running} | sched.held_waiting
     for m in kv.managers:
         holders = {rid for rid, bl in m.req_to_blocks.items() if bl}
         assert holders <= running_ids, f"non-running requests hold blocks: {holders - running_ids}"
@@ -144,8 +168,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------- rules
     @rule(data=st.data(), max_tokens=st.integers(1, 20), min_tokens=st.integers(0, 3),
-          stop_token=st.none() | st.integers(1, 1000))
-    def add_request(self, data, max_tokens, min_tokens, stop_token):
+          stop_token=st.none() | st.integers(1, 1000), n=st.sampled_from([1, 1, 2, 3]))
+    def add_request(self, data, max_tokens, min_tokens, stop_token, n):
         prompt_len = data.draw(st.integers(1, min(40, self.max_model_len - 1)), label="prompt_len")
         rid = f"r{self.next_id}"
         self.next_id += 1
@@ -159,6 +183,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.expected_len[rid] = resolved
         assert req.status == RequestStatus.WAITING
         assert self.sched.waiting[-1] is req
+        for _ in range(n - 1):   # samples 2..n fork from it after all but its last prompt token
+            cid = f"r{self.next_id}"
+            self.next_id += 1
+            child = Request(cid, list(req.prompt_token_ids), params, eos_token_ids=(), max_tokens=resolved)
+            self.sched.add_fork(child, rid)
+            self.runner.forked.add(cid)
+            self.expected_len[cid] = resolved
 
     @rule()
     def step(self):
@@ -171,7 +202,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         req = self.sched.requests[rid]
         free_before = self.sched.kv.num_free_blocks()
         pool = self.sched.kv.pool
-        held = sum(pool.blocks[b].ref_cnt == 1 for ids in self.sched.kv.get_block_ids(rid) for b in ids)
+        # Blocks this request alone references (ownership, or pins of its pending fork copies).
+        refs = Counter(b for ids in self.sched.kv.get_block_ids(rid) for b in ids)
+        refs.update(b.block_id for b in self.sched.kv._pins_pending.get(rid, ()))
+        held = sum(pool.blocks[b].ref_cnt == c for b, c in refs.items())
         self.sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
         assert req.status == RequestStatus.FINISHED_ABORTED
         assert rid not in self.sched.requests
@@ -277,9 +311,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def holdings_match_computed(self):
         sched = self.sched
         assert len(sched.running) <= sched.max_num_seqs
+        pending = {c.request_id for children in sched.forks.values() for c in children}
+        assert set(sched.forks) <= set(sched.requests)
         assert set(sched.requests) == {r.request_id for r in sched.running} | \
-            {r.request_id for r in sched.waiting}
-        assert len(sched.requests) == len(sched.running) + len(sched.waiting)
+            {r.request_id for r in sched.waiting} | pending
+        assert len(sched.requests) == len(sched.running) + len(sched.waiting) + len(pending)
         for req in sched.running:
             assert req.status == RequestStatus.RUNNING
             assert req.num_computed_tokens < req.num_tokens
@@ -290,8 +326,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert self.runner.tokens[req.request_id] == req.all_token_ids
         for req in sched.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-            assert req.num_computed_tokens == 0
-            assert sched.kv.get_block_ids(req.request_id) == [[]] * sched.kv.num_groups
+            if req.request_id in sched.held_waiting:   # a fork holding its parent's prefix
+                assert req.num_computed_tokens == req.num_prompt_tokens - 1 > 0
+                for ids in sched.kv.get_block_ids(req.request_id):
+                    assert len(ids) == ceil_div(req.num_computed_tokens, BLOCK_SIZE)
+            else:
+                assert req.num_computed_tokens == 0
+                assert sched.kv.get_block_ids(req.request_id) == [[]] * sched.kv.num_groups
         for req in sched.running + list(sched.waiting):
             assert req.num_tokens <= self.max_model_len
             assert req.output_token_ids == [fake_token_at(req, i) for i in range(req.num_output_tokens)]
