@@ -248,6 +248,10 @@ class KVCacheManager:
         self._pins_pending: dict[str, list[KVCacheBlock]] = {}
         self._pins_in_flight: list[KVCacheBlock] = []
         self.num_forks = 0
+        # Branch points (tokens) by request: where a state hybrid's prefix hit in the
+        # attention groups outran the state checkpoints. The request saves a checkpoint
+        # there, so the next prompt that shares this prefix hits all of it.
+        self.branch_points: dict[str, int] = {}
         self.num_fork_copies = 0            # pages copied for forks (cumulative)
 
     # ------------------------------------------------------------- prefix caching
@@ -259,10 +263,12 @@ class KVCacheManager:
             return 0
         usable = hashes[: (num_tokens - 1) // self.block_size]
         kv_managers = [m for m in self.managers if not isinstance(m, StateManager)]
-        hit = min((m.find_hit_blocks(usable) for m in kv_managers), default=len(usable))
+        hit = kv_hit = min((m.find_hit_blocks(usable) for m in kv_managers), default=len(usable))
         # State groups need a checkpoint exactly at the hit: the largest one at or below it.
         while hit and not all(m.has_checkpoint(usable[hit - 1]) for m in self.state_managers):
             hit -= 1
+        if kv_managers and kv_hit > hit:
+            self.branch_points[request_id] = kv_hit * self.block_size
         if hit and self.pool.get_num_free_blocks() < sum(m.spec.pages for m in self.state_managers):
             hit = 0          # no room for the request's own state pages: start uncached
         if hit:
@@ -270,12 +276,15 @@ class KVCacheManager:
                 m.take_hits(request_id, usable, hit)
         return hit * self.block_size
 
-    def checkpoint_position(self, num_prompt_tokens: int) -> int:
-        """Where a prompt's state checkpoint goes: its last block boundary before the final
-        prompt token (0: none). The scheduler ends a prefill chunk exactly there."""
+    def checkpoint_positions(self, request_id: str, num_prompt_tokens: int) -> tuple[int, ...]:
+        """Where a prompt's state checkpoints go (token counts, each a block boundary): its
+        branch point from the cached prefixes, if any, and its last block boundary before
+        the final prompt token. The scheduler ends prefill chunks exactly there."""
         if not (self.enable_caching and self.state_managers):
-            return 0
-        return (num_prompt_tokens - 1) // self.block_size * self.block_size
+            return ()
+        last = (num_prompt_tokens - 1) // self.block_size * self.block_size
+        branch = self.branch_points.get(request_id, 0)
+        return (branch, last) if 0 < branch < last else (last,) if last else ()
 
     def plan_checkpoints(self, request_id: str, block_hash: bytes) -> None:
         for m in self.state_managers:
@@ -365,6 +374,7 @@ class KVCacheManager:
         return sum(m.num_blocks_to_allocate(request_id, num_tokens) for m in self.managers)
 
     def free(self, request_id: str) -> None:
+        self.branch_points.pop(request_id, None)
         # A fork freed before its copies ran: drop them (their destination pages go back to
         # the pool) and unpin their sources.
         self.fork_copies.pop(request_id, None)

@@ -243,18 +243,19 @@ class Scheduler:
         return out
 
     def _chunk(self, req: Request, budget: int) -> int:
-        """Tokens to schedule for `req`: up to its known tokens and the budget; a prefill
-        chunk of a state hybrid stops at the prompt's checkpoint position, so the state
-        there can be saved for prefix caching."""
+        """Tokens to schedule for `req`: up to its known tokens and the budget. A prefill
+        chunk of a state hybrid stops at the prompt's checkpoint positions, so the state
+        there can be saved for prefix caching, and a parent of n > 1 samples stops at the
+        fork point."""
         num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-        for c in (self.kv.checkpoint_position(req.num_prompt_tokens), self._fork_point(req)):
+        for c in (*self.kv.checkpoint_positions(req.request_id, req.num_prompt_tokens), self._fork_point(req)):
             if c and req.num_computed_tokens < c < req.num_computed_tokens + num_new:
                 num_new = c - req.num_computed_tokens
         return num_new
 
     def _maybe_checkpoint(self, req: Request, num_new: int) -> None:
-        c = self.kv.checkpoint_position(req.num_prompt_tokens)
-        if c and req.num_computed_tokens + num_new == c:
+        c = req.num_computed_tokens + num_new
+        if c in self.kv.checkpoint_positions(req.request_id, req.num_prompt_tokens):
             extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
             self.kv.plan_checkpoints(req.request_id, req.block_hashes[c // self.kv.block_size - 1])
 

@@ -106,6 +106,25 @@ def test_state_hybrids_hit_at_checkpoints(tiny_hf, family, shared_blocks):
 
 
 @pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
+def test_state_hybrids_checkpoint_at_branch_points(tiny_hf, family):
+    """A prompt that shares 3 blocks with a cached one but diverges before that prompt's
+    checkpoint hits nothing itself, yet saves a checkpoint at the branch point: the next
+    prompt with the same 3-block prefix hits exactly 48 tokens."""
+    path, _ = tiny_hf(family)
+    base = _ids(3 * 16 + 5, seed=80)                          # 3 full blocks, then diverge mid-block
+    prompts = [base + _ids(20, 81), base[:50] + _ids(15, 82), base[:52] + _ids(11, 83)]
+    off = _gen(LLM(path, enable_prefix_caching=False), prompts)
+    llm = LLM(path)
+    hits = []
+    for p, ref in zip(prompts, off):
+        assert _gen(llm, [p]) == [ref]
+        hits.append(llm.kv_cache_stats()["prefix_cache_hits"])
+    assert hits == [0, 0, 48]
+    stats = llm.kv_cache_stats()
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+@pytest.mark.parametrize("family", ["bamba", "qwen3_next"])
 def test_state_hybrids_equal_with_caching_on_and_off(tiny_hf, family):
     path, _ = tiny_hf(family)
     shared = _ids(10 * 16, seed=70)
