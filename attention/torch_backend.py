@@ -2,15 +2,23 @@
 
 One call serves a batch mixing prefill chunks and decodes. The plan splits the batch once
 per step into
-- decodes (one query token): one batched SDPA over their gathered pages, query length 1;
-- the rest (prefill chunks, or several tokens after a preemption): one batched SDPA with
-  queries padded to the longest chunk and a causal-by-position mask,
-so the only Python-level work per layer is two SDPA calls and the page gathers; nothing loops
-over tokens or requests. Sliding-window groups gather only the pages inside the window.
+- decodes (one query token): on CPU, attention straight from the pages with no gather and
+  no padding. Every key of every request is a row of the cache seen as `[rows, head_dim]`,
+  so the scores are a sampled dense-dense product (`torch.sparse.sampled_addmm`) over a CSR
+  pattern with one row per (head, request) and the request's key rows as columns, and the
+  value sum is a weighted `embedding_bag` over the matching value rows. Each byte of K and V
+  in context is read once; the gather + padded-SDPA path read it three times plus padding.
+- the rest (prefill chunks, several tokens after a preemption, and decodes where the sparse
+  kernels do not apply: other devices, half precision): K and V pages gathered once each,
+  then one batched SDPA with queries padded to the longest chunk and a causal-by-position
+  mask.
+The only Python-level work per layer is a handful of kernel calls; nothing loops over tokens
+or requests. Sliding-window groups read only the keys inside the window.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,10 +26,13 @@ import torch.nn.functional as F
 
 from attention.backend import AttentionBackend, BatchLayout
 
+# dtypes the CPU sampled_addmm kernel dispatches on
+_SPARSE_DTYPES = (torch.float32, torch.float64)
+
 
 @dataclass(slots=True)
 class _Part:
-    """One SDPA call's worth of requests."""
+    """One padded SDPA call's worth of requests."""
     token_index: torch.Tensor   # [n, max_q] flat token index of each query slot (pads: any valid)
     valid: torch.Tensor | None  # [n, max_q] bool, None when every slot is real (decode)
     pages: torch.Tensor         # [n * num_pages] block ids to gather, row-major
@@ -29,9 +40,31 @@ class _Part:
 
 
 @dataclass(slots=True)
+class _Decodes:
+    """Decode requests, attended from the pages in place (see the module docstring).
+
+    Key token j of request i sits in cache row `token_row` (in units of one token's
+    `[num_kv_heads, head_dim]` slab of the cache seen as `[blocks * 2 * block_size, ...]`);
+    its value is `block_size` slabs further on. The per-head CSR pattern depends on the
+    layer's head counts, so it is built by the first layer that runs and kept for the rest
+    of the group (`patterns`)."""
+    token_index: torch.Tensor   # [n] flat token index of each decode
+    token_row: torch.Tensor     # [total keys] int64, requests' keys back to back
+    key_lens: torch.Tensor      # [n] int64 keys each request attends to
+    seg_start: torch.Tensor     # [n] int64 offset of each request's keys in token_row
+    rows: np.ndarray            # [n] batch rows, for the padded fallback
+    patterns: dict = field(default_factory=dict)
+    fallback: _Part | None = None
+
+
+@dataclass(slots=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
+    kv_rows: torch.Tensor       # [num_tokens] cache slab row of each token's key (value: + block_size)
     parts: list[_Part]
+    decodes: _Decodes | None
+    layout: BatchLayout
+    device: torch.device
 
 
 def _make_part(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _Part:
@@ -63,41 +96,123 @@ def _make_part(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _
     )
 
 
+def _make_decodes(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _Decodes:
+    """Every decode's key slab rows, back to back, without padding: one pass over the keys."""
+    bs, window = layout.block_size, layout.sliding_window
+    ctx = layout.seq_lens[rows].astype(np.int64)
+    start = np.zeros_like(ctx) if window is None else np.maximum(ctx - window, 0)
+    key_lens = ctx - start
+    seg_start = np.cumsum(key_lens) - key_lens
+    total = int(key_lens.sum())
+    # Position of each key: its request's start, plus its rank inside the request.
+    req = np.repeat(np.arange(len(rows)), key_lens)
+    pos = np.arange(total, dtype=np.int64) + np.repeat(start - seg_start, key_lens)
+    block = layout.block_table.numpy()[rows[req], pos // bs].astype(np.int64)
+    token_row = block * (2 * bs) + pos % bs
+    return _Decodes(token_index=torch.from_numpy(layout.query_start_loc[rows].astype(np.int64)).to(device),
+                    token_row=torch.from_numpy(token_row).to(device),
+                    key_lens=torch.from_numpy(key_lens).to(device),
+                    seg_start=torch.from_numpy(seg_start).to(device), rows=rows)
+
+
+def _decode_pattern(d: _Decodes, num_heads: int, num_kv_heads: int, num_rows: int):
+    """CSR scores pattern over the cache seen as `[num_rows, head_dim]`: row h * n + i is
+    query head h of decode i, its columns are the key rows of that request's KV head.
+    Also returns the value rows in the same order, the bag offsets and lengths."""
+    n = d.key_lens.shape[0]
+    total = d.token_row.shape[0]
+    head_kv = torch.arange(num_heads, device=d.token_row.device) // (num_heads // num_kv_heads)
+    key_rows = (d.token_row[None, :] * num_kv_heads + head_kv[:, None]).reshape(-1)
+    offsets = (torch.arange(num_heads, device=key_rows.device)[:, None] * total + d.seg_start[None, :]).reshape(-1)
+    lens = d.key_lens.repeat(num_heads)
+    crow = torch.cat([offsets, offsets.new_tensor([num_heads * total])])
+    with warnings.catch_warnings():   # "sparse CSR support is in beta": the two kernels used here are not
+        warnings.simplefilter("ignore")
+        pattern = torch.sparse_csr_tensor(crow, key_rows, torch.zeros(key_rows.shape[0], device=key_rows.device),
+                                          size=(num_heads * n, num_rows), check_invariants=False)
+    return pattern, key_rows, offsets, lens
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def plan(self, layout: BatchLayout, device: torch.device) -> TorchAttentionMetadata:
         """`layout.block_table` rows must be in batch order (row i = request i)."""
+        device = torch.device(device)
         q_lens = layout.query_lens
         decode = np.flatnonzero(q_lens == 1)
         rest = np.flatnonzero(q_lens > 1)
-        parts = [_make_part(layout, rows, device) for rows in (decode, rest) if len(rows)]
-        return TorchAttentionMetadata(slot_mapping=layout.slot_mapping.to(device), parts=parts)
+        slots = layout.slot_mapping.numpy()
+        bs = layout.block_size
+        kv_rows = torch.from_numpy(slots + (slots // bs) * bs)   # block * 2B + offset: K of the token
+        decodes = None
+        if len(decode) and device.type == "cpu":
+            decodes = _make_decodes(layout, decode, device)
+        elif len(decode):
+            rest = np.concatenate([decode, rest])
+        parts = [_make_part(layout, rest, device)] if len(rest) else []
+        return TorchAttentionMetadata(slot_mapping=layout.slot_mapping.to(device), kv_rows=kv_rows.to(device),
+                                      parts=parts, decodes=decodes, layout=layout, device=device)
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape   # [blocks, K|V, block, heads, dim]
-        # Write this step's keys and values: slot s is token s % B of block s // B.
-        blk, off = meta.slot_mapping // block_size, meta.slot_mapping % block_size
-        kv_cache[blk, 0, off] = k.to(kv_cache.dtype)
-        kv_cache[blk, 1, off] = v.to(kv_cache.dtype)
-        rows = kv_cache.view(num_blocks, -1)
+        # Write this step's keys and values: one token's K is one row of the cache seen as
+        # [blocks * 2 * block_size, kv_heads * head_dim], its V `block_size` rows further on.
+        slabs = kv_cache.view(-1, num_kv_heads * head_dim)
+        slabs.index_copy_(0, meta.kv_rows, k.reshape(num_tokens, -1).to(kv_cache.dtype))
+        slabs.index_copy_(0, meta.kv_rows + block_size, v.reshape(num_tokens, -1).to(kv_cache.dtype))
         out = torch.empty_like(q)
-        for part in meta.parts:
-            n, max_q = part.token_index.shape
-            # Gather whole pages (K and V together) as rows of a 2-D view: a plain row copy,
-            # several times faster on CPU than advanced indexing over the 5-D tensor.
-            gathered = rows.index_select(0, part.pages).view(n, -1, 2, block_size, num_kv_heads, head_dim)
-            ctx_len = gathered.shape[1] * block_size
-            keys = gathered[:, :, 0].reshape(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
-            values = gathered[:, :, 1].reshape(n, ctx_len, num_kv_heads, head_dim).transpose(1, 2)
-            queries = q[part.token_index].transpose(1, 2)          # [n, heads, max_q, dim]
-            o = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
-                                               attn_mask=part.mask, scale=scale,
-                                               enable_gqa=num_heads != num_kv_heads)
-            o = o.transpose(1, 2)                                  # [n, max_q, heads, dim]
-            if part.valid is None:
-                out[part.token_index.view(-1)] = o.reshape(-1, num_heads, head_dim)
-            else:
-                out[part.token_index[part.valid]] = o[part.valid]
+        parts = meta.parts
+        d = meta.decodes
+        if d is not None:
+            if q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES:
+                self._decode(q, kv_cache, d, scale, out)
+            else:   # no sparse kernel for this dtype: the padded path, planned once per step
+                if d.fallback is None:
+                    d.fallback = _make_part(meta.layout, d.rows, meta.device)
+                parts = [d.fallback, *parts]
+        for part in parts:
+            self._padded(q, kv_cache, part, scale, out)
         return out
+
+    @staticmethod
+    def _decode(q, kv_cache, d: _Decodes, scale: float, out: torch.Tensor) -> None:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+        rows = kv_cache.view(-1, head_dim)
+        key = (num_heads, num_kv_heads)
+        if key not in d.patterns:
+            d.patterns[key] = _decode_pattern(d, num_heads, num_kv_heads, rows.shape[0])
+        pattern, key_rows, offsets, lens = d.patterns[key]
+        n = d.token_index.shape[0]
+        queries = q.index_select(0, d.token_index).transpose(0, 1).reshape(num_heads * n, head_dim)
+        scores = torch.sparse.sampled_addmm(pattern, queries, rows.t(), beta=0.0, alpha=scale).values()
+        # Softmax per (head, request) segment; the normalisation is applied after the sum.
+        peak = torch.segment_reduce(scores, "max", lengths=lens, unsafe=True)
+        weights = (scores - peak.repeat_interleave(lens, output_size=scores.shape[0])).exp_()
+        denom = torch.segment_reduce(weights, "sum", lengths=lens, unsafe=True)
+        value_rows = key_rows + block_size * num_kv_heads
+        o = F.embedding_bag(value_rows, rows, offsets, mode="sum", per_sample_weights=weights)
+        o = (o / denom[:, None]).view(num_heads, n, head_dim).transpose(0, 1)
+        out.index_copy_(0, d.token_index, o.to(out.dtype))
+
+    @staticmethod
+    def _padded(q, kv_cache, part: _Part, scale: float, out: torch.Tensor) -> None:
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape
+        n, max_q = part.token_index.shape
+        # Gather whole K pages and whole V pages as rows of 2-D views: plain row copies,
+        # several times faster on CPU than advanced indexing over the 5-D tensor.
+        pages = kv_cache.view(num_blocks, 2, -1)
+        keys = pages[:, 0].index_select(0, part.pages).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = pages[:, 1].index_select(0, part.pages).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        queries = q[part.token_index].transpose(1, 2)          # [n, heads, max_q, dim]
+        o = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
+                                           attn_mask=part.mask, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        o = o.transpose(1, 2)                                  # [n, max_q, heads, dim]
+        if part.valid is None:
+            out[part.token_index.view(-1)] = o.reshape(-1, num_heads, head_dim)
+        else:
+            out[part.token_index[part.valid]] = o[part.valid]

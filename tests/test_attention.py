@@ -77,3 +77,41 @@ def test_op_is_registered_and_needs_context():
     x = torch.zeros(1, 1, 4)
     with pytest.raises(RuntimeError, match="outside set_forward_context"):
         torch.ops.zooinfer.paged_attention(x, x, x, torch.zeros(2, 2, 4, 1, 4), 0, 1.0)
+
+
+@pytest.mark.parametrize("heads, kv_heads, window", [(4, 4, None), (8, 2, 6)])
+def test_sparse_decode_path_matches_padded_path(heads, kv_heads, window):
+    """Decode-only steps on CPU attend straight from the pages (sampled_addmm + embedding_bag,
+    no gather); half precision takes the padded gather + SDPA path. Both equal naive
+    attention, over requests whose contexts differ a lot (padding would dominate)."""
+    torch.manual_seed(1)
+    bs, dim, num_blocks = 4, 8, 96
+    backend = get_backend("torch")
+    ctx = np.array([1, 3, 4, 5, 17, 30, 2, 41])
+    n_blocks = -(-ctx // bs)
+    perm = (torch.randperm(num_blocks - 1) + 1).numpy()
+    tables = np.zeros((len(ctx), 12), dtype=np.int32)
+    starts = np.concatenate(([0], np.cumsum(n_blocks)))
+    for i, nb in enumerate(n_blocks):
+        tables[i, :nb] = perm[starts[i]:starts[i + 1]]
+    cache = torch.randn(backend.kv_cache_shape(num_blocks, bs, kv_heads, dim))
+    cache[0] = 0
+    pos = ctx - 1
+    slots = tables[np.arange(len(ctx)), pos // bs].astype(np.int64) * bs + pos % bs
+    layout = BatchLayout(query_start_loc=np.arange(len(ctx) + 1), seq_lens=ctx,
+                         block_table=torch.from_numpy(tables), slot_mapping=torch.from_numpy(slots),
+                         block_size=bs, sliding_window=window)
+    q, k, v = torch.randn(len(ctx), heads, dim), torch.randn(len(ctx), kv_heads, dim), torch.randn(len(ctx), kv_heads, dim)
+    meta = backend.plan(layout, torch.device("cpu"))
+    assert meta.decodes is not None and meta.parts == []
+    out = backend.forward(q, k, v, cache, meta, dim ** -0.5)
+    for i, L in enumerate(ctx):   # naive reference from the (now written) cache
+        pg = torch.from_numpy(tables[i, :n_blocks[i]].astype(np.int64))
+        keys, values = cache[pg, 0].reshape(-1, kv_heads, dim)[:L], cache[pg, 1].reshape(-1, kv_heads, dim)[:L]
+        ref = _naive(q[i:i + 1], keys, values, dim ** -0.5, window)
+        torch.testing.assert_close(out[i:i + 1], ref, rtol=1e-5, atol=1e-5)
+    half_cache = cache.to(torch.bfloat16)
+    half_meta = backend.plan(layout, torch.device("cpu"))
+    half = backend.forward(q.bfloat16(), k.bfloat16(), v.bfloat16(), half_cache, half_meta, dim ** -0.5)
+    assert half_meta.decodes.fallback is not None          # the padded path ran
+    torch.testing.assert_close(half.float(), out, rtol=3e-2, atol=3e-2)
