@@ -365,3 +365,21 @@ def test_sampling_params_valid_edges_and_normalisation():
     with pytest.raises(ValueError, match=r"^SamplingParams\.temperature: "):
         p.validate()
     assert math.isclose(SamplingParams(top_p=0.01).top_p, 0.01)
+
+
+@pytest.mark.parametrize("vocab", [200, 32000, 32001, 1000])
+def test_chunked_argmax_equals_torch_argmax(vocab):
+    """The greedy fast path returns exactly torch's argmax: first index among ties, NaN
+    counted as the maximum, all -inf rows give 0, a maximum in the ragged last chunk."""
+    from runtime.sampler import _argmax
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, vocab, generator=g)
+    x[0, 3] = x[0, vocab - 2] = 50.0                      # a tie across chunks: the first wins
+    x[1, vocab - 1] = 50.0                                # in the last (maybe partial) chunk
+    x[2] = 1.0                                            # a row of ties
+    x[3, 7], x[3, vocab // 2] = float("nan"), float("nan")
+    x[4] = float("-inf")
+    x[5, 130], x[5, 129] = 60.0, 60.0                     # a tie inside one chunk
+    x[6] = torch.round(x[6])                              # many ties at the top
+    assert torch.equal(_argmax(x), x.argmax(dim=-1))
+    assert _argmax(x).tolist()[:6] == [3, vocab - 1, 0, 7, 0, 129]
