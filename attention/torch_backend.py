@@ -43,15 +43,16 @@ class _Part:
 class _Decodes:
     """Decode requests, attended from the pages in place (see the module docstring).
 
-    Key token j of request i sits in cache row `token_row` (in units of one token's
+    Key j of request i sits in cache row `token_row[i, j]` (in units of one token's
     `[num_kv_heads, head_dim]` slab of the cache seen as `[blocks * 2 * block_size, ...]`);
-    its value is `block_size` slabs further on. The per-head CSR pattern depends on the
-    layer's head counts, so it is built by the first layer that runs and kept for the rest
-    of the group (`patterns`)."""
+    its value is `block_size` slabs further on. The grid is padded to the longest request,
+    `valid` says which entries are real. The per-head CSR pattern depends on the layer's
+    head counts, so the first layer that runs builds it and the group's other layers reuse
+    it (`patterns`)."""
     token_index: torch.Tensor   # [n] flat token index of each decode
-    token_row: torch.Tensor     # [total keys] int64, requests' keys back to back
+    token_row: torch.Tensor     # [n, max keys] int64
+    valid: torch.Tensor         # [n, 1, max keys] bool
     key_lens: torch.Tensor      # [n] int64 keys each request attends to
-    seg_start: torch.Tensor     # [n] int64 offset of each request's keys in token_row
     rows: np.ndarray            # [n] batch rows, for the padded fallback
     patterns: dict = field(default_factory=dict)
     fallback: _Part | None = None
@@ -97,40 +98,37 @@ def _make_part(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _
 
 
 def _make_decodes(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _Decodes:
-    """Every decode's key slab rows, back to back, without padding: one pass over the keys."""
+    """Every decode's key slab rows, on a grid padded to the longest request."""
     bs, window = layout.block_size, layout.sliding_window
     ctx = layout.seq_lens[rows].astype(np.int64)
     start = np.zeros_like(ctx) if window is None else np.maximum(ctx - window, 0)
     key_lens = ctx - start
-    seg_start = np.cumsum(key_lens) - key_lens
-    total = int(key_lens.sum())
-    # Position of each key: its request's start, plus its rank inside the request.
-    req = np.repeat(np.arange(len(rows)), key_lens)
-    pos = np.arange(total, dtype=np.int64) + np.repeat(start - seg_start, key_lens)
-    block = layout.block_table.numpy()[rows[req], pos // bs].astype(np.int64)
-    token_row = block * (2 * bs) + pos % bs
+    j = np.arange(int(key_lens.max()), dtype=np.int64)
+    valid = j[None, :] < key_lens[:, None]
+    pos = np.minimum(start[:, None] + j[None, :], ctx[:, None] - 1)      # pads repeat the last key
+    block = layout.block_table.numpy()[rows[:, None], pos // bs].astype(np.int64)
     return _Decodes(token_index=torch.from_numpy(layout.query_start_loc[rows].astype(np.int64)).to(device),
-                    token_row=torch.from_numpy(token_row).to(device),
-                    key_lens=torch.from_numpy(key_lens).to(device),
-                    seg_start=torch.from_numpy(seg_start).to(device), rows=rows)
+                    token_row=torch.from_numpy(block * (2 * bs) + pos % bs).to(device),
+                    valid=torch.from_numpy(valid).to(device).unsqueeze(1),
+                    key_lens=torch.from_numpy(key_lens).to(device), rows=rows)
 
 
 def _decode_pattern(d: _Decodes, num_heads: int, num_kv_heads: int, num_rows: int):
-    """CSR scores pattern over the cache seen as `[num_rows, head_dim]`: row h * n + i is
-    query head h of decode i, its columns are the key rows of that request's KV head.
+    """CSR scores pattern over the cache seen as `[num_rows, head_dim]`: row i * H + h is
+    query head h of decode i, its columns are the key rows of that request's KV head (one
+    request's heads next to each other, so its pages stay in cache across its heads).
     Also returns the value rows in the same order, the bag offsets and lengths."""
     n = d.key_lens.shape[0]
-    total = d.token_row.shape[0]
     head_kv = torch.arange(num_heads, device=d.token_row.device) // (num_heads // num_kv_heads)
-    key_rows = (d.token_row[None, :] * num_kv_heads + head_kv[:, None]).reshape(-1)
-    offsets = (torch.arange(num_heads, device=key_rows.device)[:, None] * total + d.seg_start[None, :]).reshape(-1)
-    lens = d.key_lens.repeat(num_heads)
-    crow = torch.cat([offsets, offsets.new_tensor([num_heads * total])])
+    key_rows = (d.token_row[:, None, :] * num_kv_heads + head_kv[None, :, None]).masked_select(d.valid)
+    lens = d.key_lens.repeat_interleave(num_heads)
+    crow = torch.zeros(n * num_heads + 1, dtype=torch.int64, device=lens.device)
+    torch.cumsum(lens, 0, out=crow[1:])
     with warnings.catch_warnings():   # "sparse CSR support is in beta": the two kernels used here are not
         warnings.simplefilter("ignore")
         pattern = torch.sparse_csr_tensor(crow, key_rows, torch.zeros(key_rows.shape[0], device=key_rows.device),
                                           size=(num_heads * n, num_rows), check_invariants=False)
-    return pattern, key_rows, offsets, lens
+    return pattern, key_rows, crow[:-1], lens
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -186,7 +184,7 @@ class TorchAttentionBackend(AttentionBackend):
             d.patterns[key] = _decode_pattern(d, num_heads, num_kv_heads, rows.shape[0])
         pattern, key_rows, offsets, lens = d.patterns[key]
         n = d.token_index.shape[0]
-        queries = q.index_select(0, d.token_index).transpose(0, 1).reshape(num_heads * n, head_dim)
+        queries = q.index_select(0, d.token_index).reshape(num_heads * n, head_dim)
         scores = torch.sparse.sampled_addmm(pattern, queries, rows.t(), beta=0.0, alpha=scale).values()
         # Softmax per (head, request) segment; the normalisation is applied after the sum.
         peak = torch.segment_reduce(scores, "max", lengths=lens, unsafe=True)
@@ -194,7 +192,7 @@ class TorchAttentionBackend(AttentionBackend):
         denom = torch.segment_reduce(weights, "sum", lengths=lens, unsafe=True)
         value_rows = key_rows + block_size * num_kv_heads
         o = F.embedding_bag(value_rows, rows, offsets, mode="sum", per_sample_weights=weights)
-        o = (o / denom[:, None]).view(num_heads, n, head_dim).transpose(0, 1)
+        o = (o / denom[:, None]).view(n, num_heads, head_dim)
         out.index_copy_(0, d.token_index, o.to(out.dtype))
 
     @staticmethod
