@@ -5,6 +5,7 @@ against a stand-in runner started through the real `PeerProcess` (stop/continue 
 """
 from __future__ import annotations
 
+import shutil
 import sys
 import textwrap
 
@@ -117,7 +118,9 @@ def test_peer_process_round_trip(tmp_path):
             proc.run()
     finally:
         proc.close()
-    assert proc.proc.returncode == 1
+    assert proc.proc.returncode == 1 and proc.log_path.exists()   # a failed runner keeps its log
+    assert "third round exploded" in proc.log_path.read_text()
+    shutil.rmtree(proc.dir)
 
 
 def test_peer_process_missing_venv_is_one_line(tmp_path):
@@ -132,3 +135,31 @@ def test_choose_engines():
     assert choose_engines(None, None)[:2] == ["ours", "hf"]
     with pytest.raises(SystemExit, match="unknown engine.*sglang"):
         choose_engines(None, "sglang")
+
+
+def test_llamacpp_rope_permutation_maps_hf_rope_to_interleaved_rope():
+    """The GGUF writer permutes Q/K rows so llama.cpp's interleaved rope on the permuted weights
+    gives the same vector as HF's rotate-half rope, up to that same row order (so q.k is equal)."""
+    import numpy as np
+    from bench.peers.run_llamacpp import _permute_rope
+    rng = np.random.default_rng(0)
+    n_head, hd, hidden, pos = 3, 8, 12, 5
+    w = rng.standard_normal((n_head * hd, hidden))
+    x = rng.standard_normal(hidden)
+    ang = pos * 10000.0 ** (-np.arange(hd // 2) * 2 / hd)
+    cos, sin = np.cos(ang), np.sin(ang)
+
+    def hf_rope(q):                     # per head: halves [a | b] -> [a cos - b sin | b cos + a sin]
+        q = q.reshape(n_head, hd)
+        a, b = q[:, :hd // 2], q[:, hd // 2:]
+        return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=1)
+
+    def interleaved_rope(q):            # per head: pairs (2i, 2i+1) rotated by angle i
+        q = q.reshape(n_head, hd // 2, 2)
+        a, b = q[..., 0], q[..., 1]
+        return np.stack([a * cos - b * sin, b * cos + a * sin], axis=-1).reshape(n_head, hd)
+
+    got = interleaved_rope(_permute_rope(w, n_head) @ x)
+    want = _permute_rope(hf_rope(w @ x).reshape(n_head * hd, 1), n_head).reshape(n_head, hd)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(interleaved_rope(w @ x), hf_rope(w @ x))   # the permutation matters

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,14 +31,14 @@ class PeerProcess:
         self.name = name
         self.timeout_s = timeout_s
         self.freeze_idle = freeze_idle
+        py = python or str(venv_python(name))
+        if not Path(py).exists():
+            raise PeerError(f"{name}: no python at {py}; run `python -m bench.peers.setup {name}`")
         self.dir = Path(tempfile.mkdtemp(prefix=f"zooinfer-peer-{name}-"))
         wl_path = self.dir / "workload.json"
         wl_path.write_text(json.dumps(workload))
         self.log_path = self.dir / "stderr.log"
         self._log = open(self.log_path, "w")
-        py = python or str(venv_python(name))
-        if not Path(py).exists():
-            raise PeerError(f"{name}: no python at {py}; run `python -m bench.peers.setup {name}`")
         full_env = {**os.environ, **env, "PYTHONUNBUFFERED": "1"}
         full_env.pop("PYTHONPATH", None)   # the peer venv must not see the project's packages
         script = script or HERE / RUNNERS[name]
@@ -106,6 +107,8 @@ class PeerProcess:
             except subprocess.TimeoutExpired:
                 self._signal(signal.SIGKILL)
         self._log.close()
+        if self.proc.returncode == 0:   # keep the folder (and its log) only when something went wrong
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def peer_python_version(py: str) -> str:
