@@ -50,12 +50,22 @@ class _Decodes:
     head counts, so the first layer that runs builds it and the group's other layers reuse
     it (`patterns`)."""
     token_index: torch.Tensor   # [n] flat token index of each decode
-    token_row: torch.Tensor     # [n, max keys] int64
-    valid: torch.Tensor         # [n, 1, max keys] bool
-    key_lens: torch.Tensor      # [n] int64 keys each request attends to
+    token_row: np.ndarray       # [n, max keys] int64
+    valid: np.ndarray           # [n, max keys] bool
+    key_lens: np.ndarray        # [n] int64 keys each request attends to
     rows: np.ndarray            # [n] batch rows, for the padded fallback
     patterns: dict = field(default_factory=dict)
     fallback: _Part | None = None
+
+
+@dataclass(slots=True)
+class _DecodePattern:
+    """One group's decode attention plan for given head counts, shared by its layers."""
+    scores: torch.Tensor        # sparse CSR [n * H, cache rows]: row i * H + h = head h of decode i
+    value_rows: torch.Tensor    # [nnz] value row of each entry, same order
+    offsets: torch.Tensor       # [n * H] start of each (request, head) bag
+    dense_pos: torch.Tensor     # [nnz] flat position of each entry in the [n * H, max keys] grid
+    max_keys: int
 
 
 @dataclass(slots=True)
@@ -104,31 +114,33 @@ def _make_decodes(layout: BatchLayout, rows: np.ndarray, device: torch.device) -
     start = np.zeros_like(ctx) if window is None else np.maximum(ctx - window, 0)
     key_lens = ctx - start
     j = np.arange(int(key_lens.max()), dtype=np.int64)
-    valid = j[None, :] < key_lens[:, None]
     pos = np.minimum(start[:, None] + j[None, :], ctx[:, None] - 1)      # pads repeat the last key
     block = layout.block_table.numpy()[rows[:, None], pos // bs].astype(np.int64)
     return _Decodes(token_index=torch.from_numpy(layout.query_start_loc[rows].astype(np.int64)).to(device),
-                    token_row=torch.from_numpy(block * (2 * bs) + pos % bs).to(device),
-                    valid=torch.from_numpy(valid).to(device).unsqueeze(1),
-                    key_lens=torch.from_numpy(key_lens).to(device), rows=rows)
+                    token_row=block * (2 * bs) + pos % bs, valid=j[None, :] < key_lens[:, None],
+                    key_lens=key_lens, rows=rows)
 
 
-def _decode_pattern(d: _Decodes, num_heads: int, num_kv_heads: int, num_rows: int):
+def _decode_pattern(d: _Decodes, num_heads: int, num_kv_heads: int, block_size: int, num_rows: int,
+                    device: torch.device) -> _DecodePattern:
     """CSR scores pattern over the cache seen as `[num_rows, head_dim]`: row i * H + h is
     query head h of decode i, its columns are the key rows of that request's KV head (one
-    request's heads next to each other, so its pages stay in cache across its heads).
-    Also returns the value rows in the same order, the bag offsets and lengths."""
-    n = d.key_lens.shape[0]
-    head_kv = torch.arange(num_heads, device=d.token_row.device) // (num_heads // num_kv_heads)
-    key_rows = (d.token_row[:, None, :] * num_kv_heads + head_kv[None, :, None]).masked_select(d.valid)
-    lens = d.key_lens.repeat_interleave(num_heads)
-    crow = torch.zeros(n * num_heads + 1, dtype=torch.int64, device=lens.device)
-    torch.cumsum(lens, 0, out=crow[1:])
+    request's heads next to each other, so its pages stay in cache across its heads)."""
+    n, max_keys = d.token_row.shape
+    head_kv = np.arange(num_heads) // (num_heads // num_kv_heads)
+    grid = d.token_row[:, None, :] * num_kv_heads + head_kv[None, :, None]          # [n, H, max keys]
+    dense_pos = np.flatnonzero(np.broadcast_to(d.valid[:, None, :], grid.shape))
+    key_rows = grid.reshape(-1)[dense_pos]
+    crow = np.zeros(n * num_heads + 1, dtype=np.int64)
+    np.cumsum(np.repeat(d.key_lens, num_heads), out=crow[1:])
+    crow_t, key_rows_t = torch.from_numpy(crow).to(device), torch.from_numpy(key_rows).to(device)
     with warnings.catch_warnings():   # "sparse CSR support is in beta": the two kernels used here are not
         warnings.simplefilter("ignore")
-        pattern = torch.sparse_csr_tensor(crow, key_rows, torch.zeros(key_rows.shape[0], device=key_rows.device),
+        pattern = torch.sparse_csr_tensor(crow_t, key_rows_t, torch.zeros(len(key_rows), device=device),
                                           size=(num_heads * n, num_rows), check_invariants=False)
-    return pattern, key_rows, crow[:-1], lens
+    return _DecodePattern(scores=pattern, value_rows=key_rows_t + block_size * num_kv_heads,
+                          offsets=crow_t[:-1], dense_pos=torch.from_numpy(dense_pos).to(device),
+                          max_keys=max_keys)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -181,19 +193,18 @@ class TorchAttentionBackend(AttentionBackend):
         rows = kv_cache.view(-1, head_dim)
         key = (num_heads, num_kv_heads)
         if key not in d.patterns:
-            d.patterns[key] = _decode_pattern(d, num_heads, num_kv_heads, rows.shape[0])
-        pattern, key_rows, offsets, lens = d.patterns[key]
+            d.patterns[key] = _decode_pattern(d, num_heads, num_kv_heads, block_size, rows.shape[0], q.device)
+        pat = d.patterns[key]
         n = d.token_index.shape[0]
         queries = q.index_select(0, d.token_index).reshape(num_heads * n, head_dim)
-        scores = torch.sparse.sampled_addmm(pattern, queries, rows.t(), beta=0.0, alpha=scale).values()
-        # Softmax per (head, request) segment; the normalisation is applied after the sum.
-        peak = torch.segment_reduce(scores, "max", lengths=lens, unsafe=True)
-        weights = (scores - peak.repeat_interleave(lens, output_size=scores.shape[0])).exp_()
-        denom = torch.segment_reduce(weights, "sum", lengths=lens, unsafe=True)
-        value_rows = key_rows + block_size * num_kv_heads
-        o = F.embedding_bag(value_rows, rows, offsets, mode="sum", per_sample_weights=weights)
-        o = (o / denom[:, None]).view(n, num_heads, head_dim)
-        out.index_copy_(0, d.token_index, o.to(out.dtype))
+        scores = torch.sparse.sampled_addmm(pat.scores, queries, rows.t(), beta=0.0, alpha=scale).values()
+        # Softmax on the padded [n * H, max keys] grid (pads at -inf): one vectorised pass,
+        # cheaper than segment reductions over the ragged scores.
+        grid = torch.full((n * num_heads * pat.max_keys,), float("-inf"), dtype=scores.dtype, device=q.device)
+        grid.index_copy_(0, pat.dense_pos, scores)
+        weights = grid.view(n * num_heads, -1).softmax(dim=-1).view(-1).index_select(0, pat.dense_pos)
+        o = F.embedding_bag(pat.value_rows, rows, pat.offsets, mode="sum", per_sample_weights=weights)
+        out.index_copy_(0, d.token_index, o.view(n, num_heads, head_dim).to(out.dtype))
 
     @staticmethod
     def _padded(q, kv_cache, part: _Part, scale: float, out: torch.Tensor) -> None:
