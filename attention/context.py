@@ -6,8 +6,8 @@ the compiled graph's inputs to tensors, so new batch shapes do not trigger recom
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 from attention.backend import AttentionBackend
 
@@ -16,6 +16,9 @@ from attention.backend import AttentionBackend
 class ForwardContext:
     backend: AttentionBackend
     layer_meta: list[Any]     # indexed by layer id: the plan of that layer's group
+    # layer id -> the state mixer module whose state update runs inside `zooinfer::state_update`
+    # (an op can take only tensors and scalars, so it finds its module here, as it finds its plan).
+    state_layers: Mapping[int, Any] = field(default_factory=dict)
 
 
 _current: ForwardContext | None = None

@@ -1,8 +1,11 @@
-"""`zooinfer::paged_attention`: the attention call as a registered torch custom op.
+"""`zooinfer::paged_attention` and `zooinfer::state_update`: the cache-touching parts of a
+layer as registered torch custom ops.
 
-torch.compile treats the op as opaque (it mutates only `kv_cache`), so the whole model
-compiles with fullgraph=True while the backend underneath stays free to plan on the host,
-launch Triton or FlashInfer kernels, or use varying Python-side shapes.
+torch.compile treats each op as opaque (it mutates only the cache pages it is given), so the
+whole model compiles with fullgraph=True while the code underneath stays free to plan on
+the host, launch Triton or FlashInfer kernels, loop over requests or use varying
+Python-side shapes. Both look their per-step plan up in the forward context by layer id,
+so the graph carries only tensors and constants and never recompiles for a new batch.
 """
 from __future__ import annotations
 
@@ -21,3 +24,26 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 @paged_attention.register_fake
 def _(q, k, v, kv_cache, layer_id, scale):
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("zooinfer::state_update", mutates_args=("pages",))
+def state_update(inputs: list[torch.Tensor], pages: torch.Tensor, layer_id: int,
+                 out_shape: list[int]) -> torch.Tensor:
+    """A state layer's (Mamba2, Gated DeltaNet) recurrent part on this step's requests.
+
+    `inputs` are the layer's projected activations, `[num_tokens, ...]` first; `pages` is
+    the layer's view of the pool. The requests' states are gathered from their pages per the
+    group's `StatePlan`, updated by the mixer's `update_states(inputs, states, plan)`, and
+    written back. Returns `[num_tokens, *out_shape]` float32 (state kernels compute in fp32).
+    """
+    ctx = get_forward_context()
+    plan, mixer = ctx.layer_meta[layer_id], ctx.state_layers[layer_id]
+    rows, states = plan.gather(pages, mixer.state_shapes().values())
+    out = mixer.update_states(inputs, states, plan)
+    plan.scatter(pages, rows)
+    return out
+
+
+@state_update.register_fake
+def _(inputs, pages, layer_id, out_shape):
+    return inputs[0].new_empty((inputs[0].shape[0], *out_shape), dtype=torch.float32)

@@ -7,7 +7,9 @@ layer of the group reads it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -41,9 +43,41 @@ class StatePlan:
     gathered, contiguous state batch) and the pool pages those states live in."""
     meta: StateMetadata
     pages: torch.Tensor         # [num_reqs * pages_per_state] int64, request-major
+    dtype: torch.dtype = torch.float32   # the states' dtype (the pages may be viewed in another)
+    # Kernel-specific index plans derived from `meta` (e.g. Mamba2's chunk layout), built by
+    # the first layer that needs one and reused by every other layer of the group this step.
+    derived: dict = field(default_factory=dict)
 
     @staticmethod
     def build(query_lens: list[int], has_initial_state: list[bool], pages: torch.Tensor,
-              device: torch.device | str = "cpu") -> "StatePlan":
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> "StatePlan":
         meta = StateMetadata.build(query_lens, list(range(len(query_lens))), has_initial_state, device)
-        return StatePlan(meta, pages.reshape(-1).to(device=device, dtype=torch.long))
+        return StatePlan(meta, pages.reshape(-1).to(device=device, dtype=torch.long), dtype)
+
+    def derive(self, key: Any, build: Callable[[StateMetadata], Any]) -> Any:
+        """`build(meta)` once per step and key; later layers with the same key share it."""
+        value = self.derived.get(key)
+        if value is None:
+            value = self.derived[key] = build(self.meta)
+        return value
+
+    def gather(self, pages: torch.Tensor, shapes: Iterable[tuple[int, ...]]
+               ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Copy the step's requests' states out of their pool pages (a layer's view of the
+        pool, `[num_blocks, page elements]`) into one contiguous batch, request i in slot i.
+        Returns that buffer and one view into it per state shape; the mixer updates the
+        views in place and `scatter` writes the buffer back. The pages may be typed as the KV
+        cache that shares their buffer (bf16 KV, fp32 states): the states are reinterpreted."""
+        n = self.meta.num_reqs
+        rows = pages.index_select(0, self.pages).view(n, -1)
+        typed = rows if rows.dtype == self.dtype else rows.view(self.dtype)
+        states, offset = [], 0
+        for shape in shapes:
+            size = math.prod(shape)
+            states.append(typed[:, offset: offset + size].view(n, *shape))
+            offset += size
+        return rows, states
+
+    def scatter(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write a buffer from `gather` back to the same pool pages."""
+        pages.index_copy_(0, self.pages, rows.view(-1, pages.shape[1]))

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata
 
 _ACTIVATIONS = {
@@ -181,7 +182,9 @@ class GatedDeltaNet(nn.Module):
         q, k, v, z = torch.split(qkvz, [dk, dk, r * dv, r * dv], dim=-1)
         ba = self.in_proj_ba(hidden).view(T, nk, 2 * r)
         b, a = torch.split(ba, [r, r], dim=-1)
-        mixed_qkv = torch.cat((q.reshape(T, -1), k.reshape(T, -1), v.reshape(T, -1)), dim=-1)
+        # Explicit sizes: with T unbacked under torch.compile, -1 would need a T != 0 guard.
+        mixed_qkv = torch.cat((q.reshape(T, self.key_dim), k.reshape(T, self.key_dim),
+                               v.reshape(T, self.value_dim)), dim=-1)
         return (mixed_qkv, z.reshape(T, self.num_v_heads, dv), b.reshape(T, self.num_v_heads),
                 a.reshape(T, self.num_v_heads))
 
@@ -244,27 +247,50 @@ class GatedDeltaNet(nn.Module):
 
         In the all-decode path T must equal meta.num_reqs (pad slots alongside tokens). In the
         mixed path, tokens past query_start_loc[-1] (padding) get a zero core output."""
-        T = hidden.shape[0]
         mixed_qkv, z, b, a = self._project(hidden)
+        core = self._core(mixed_qkv, b, a, conv_state, recurrent_state, meta)
+        return self._finish(core, z, hidden.dtype)
+
+    def forward_paged(self, hidden: torch.Tensor, pages: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """States in pool pages: projections, gated norm and out_proj stay in the (compiled)
+        graph; the conv and delta rule, which read and write the pages through the step's
+        host-side plan, run inside the `zooinfer::state_update` op (see `update_states`)."""
+        mixed_qkv, z, b, a = self._project(hidden)
+        core = torch.ops.zooinfer.state_update([mixed_qkv, b, a], pages, layer_id,
+                                               [self.num_v_heads, self.head_v_dim])
+        return self._finish(core, z, hidden.dtype)
+
+    def update_states(self, inputs: list[torch.Tensor], states: list[torch.Tensor], plan) -> torch.Tensor:
+        """`zooinfer::state_update` body: inputs (mixed_qkv, b, a), states (conv, recurrent)."""
+        mixed_qkv, b, a = inputs
+        return self._core(mixed_qkv, b, a, *states, plan.meta)
+
+    def _finish(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Gated norm per value head on [T, Hv, dv], then out_proj. The token dim stays a dim of
+        its own: under torch.compile with an unbacked token count, folding it into rows
+        ([T * Hv, dv] and back) is miscompiled by inductor (torch 2.13, CPU)."""
+        out = self.norm(core.to(dtype), z)
+        return self.out_proj(out.flatten(1))
+
+    def _core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
+              recurrent_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        """Conv + gated delta rule over the step's tokens -> core [T, Hv, dv] fp32."""
         if meta.all_decode:
-            core = self._decode(mixed_qkv, b, a, conv_state, recurrent_state, meta.slots,
+            return self._decode(mixed_qkv, b, a, conv_state, recurrent_state, meta.slots,
                                 meta.has_initial_state)
-        else:
-            core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=hidden.device)
-            qsl = meta.query_start_loc
-            singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-            if singles:  # decodes of a mixed step: one vectorised recurrent step
-                req = torch.tensor(singles, dtype=torch.long).to(hidden.device, non_blocking=True)
-                tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(hidden.device,
-                                                                                   non_blocking=True)
-                core[tok] = self._decode(mixed_qkv[tok], b[tok], a[tok], conv_state, recurrent_state,
-                                         meta.slots[req], meta.has_initial_state[req])
-            for i in range(meta.num_reqs):
-                s, e = qsl[i], qsl[i + 1]
-                if e - s > 1:
-                    core[s:e] = self._prefill_one(mixed_qkv[s:e], b[s:e], a[s:e], conv_state,
-                                                  recurrent_state, meta.slots[i:i + 1],
-                                                  meta.has_initial_state[i:i + 1])
-        core = core.to(hidden.dtype)
-        out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
-        return self.out_proj(out.reshape(T, self.value_dim))
+        T, device = mixed_qkv.shape[0], mixed_qkv.device
+        core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device)
+        qsl = meta.query_start_loc
+        singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        if singles:  # decodes of a mixed step: one vectorised recurrent step
+            req = torch.tensor(singles, dtype=torch.long).to(device, non_blocking=True)
+            tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(device, non_blocking=True)
+            core[tok] = self._decode(mixed_qkv[tok], b[tok], a[tok], conv_state, recurrent_state,
+                                     meta.slots[req], meta.has_initial_state[req])
+        for i in range(meta.num_reqs):
+            s, e = qsl[i], qsl[i + 1]
+            if e - s > 1:
+                core[s:e] = self._prefill_one(mixed_qkv[s:e], b[s:e], a[s:e], conv_state,
+                                              recurrent_state, meta.slots[i:i + 1],
+                                              meta.has_initial_state[i:i + 1])
+        return core

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import attention.ops  # noqa: F401  (registers torch.ops.zooinfer.paged_attention)
-from attention.context import get_forward_context
+import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zooinfer::state_update)
 from models.spec import ATTENTION_KINDS, ModelSpec, RopeSpec
 
 
@@ -165,21 +164,13 @@ def make_state_mixer(spec: ModelSpec, kind: str) -> nn.Module:
 def run_state_mixer(mixer: nn.Module, layer_id: int, hidden: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     """Run a state layer on this step's requests.
 
-    `pages` is the layer's view of the pool ([num_blocks, page elements]). The requests'
-    states are gathered from their pool pages into one contiguous batch (request i in slot
-    i), updated in place by the mixer, and written back to the same pages.
+    `pages` is the layer's view of the pool ([num_blocks, page elements]). The projections
+    run here, in the graph; the state update (gather the requests' states from their pages
+    into one contiguous batch, update them, write them back) is the `zooinfer::state_update`
+    custom op, which finds the step's plan in the forward context by `layer_id`, so the
+    model compiles with fullgraph=True and the graph never sees host-side batch facts.
     """
-    plan = get_forward_context().layer_meta[layer_id]
-    n = plan.meta.num_reqs
-    rows = pages.index_select(0, plan.pages).view(n, -1)
-    states, offset = [], 0
-    for shape in mixer.state_shapes().values():
-        size = math.prod(shape)
-        states.append(rows[:, offset: offset + size].view(n, *shape))
-        offset += size
-    out = mixer(hidden, *states, plan.meta)
-    pages.index_copy_(0, plan.pages, rows.view(-1, pages.shape[1]))
-    return out
+    return mixer.forward_paged(hidden, pages, layer_id)
 
 
 class DecoderLayer(nn.Module):

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata
 
 
@@ -229,15 +230,48 @@ class Mamba2Mixer(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, ssm_state: torch.Tensor,
                 meta: StateMetadata, plan: Mamba2Plan | None = None) -> torch.Tensor:
-        T = hidden.shape[0]
-        I, H, P, N, G = self.intermediate_size, self.num_heads, self.head_dim, self.state_size, self.n_groups
-        gate, xbc, dt = self.in_proj(hidden).split([I, self.conv_dim, H], dim=-1)
+        """Slot-based states: `conv_state` / `ssm_state` hold every slot, `meta.slots` picks."""
+        gate, xbc, dt, A = self._project(hidden)
+        y = self._mix(xbc, dt, A, conv_state, ssm_state, meta, plan)
+        return self._finish(y, gate, hidden.dtype)
+
+    def forward_paged(self, hidden: torch.Tensor, pages: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """States in pool pages: the projections and the gated norm stay in the (compiled)
+        graph; the conv + SSD scan, which read and write the pages through the step's
+        host-side plan, run inside the `zooinfer::state_update` op (see `update_states`)."""
+        gate, xbc, dt, A = self._project(hidden)
+        y = torch.ops.zooinfer.state_update([xbc, dt, A], pages, layer_id, [self.num_heads, self.head_dim])
+        return self._finish(y, gate, hidden.dtype)
+
+    def update_states(self, inputs: list[torch.Tensor], states: list[torch.Tensor], plan) -> torch.Tensor:
+        """`zooinfer::state_update` body: inputs (xbc, dt, A), states (conv, ssm) in slot order
+        of `plan.meta`; the Mamba2Plan is built once per step for the whole group."""
+        xbc, dt, A = inputs
+        conv_state, ssm_state = states
+        mplan = None if plan.meta.all_decode else plan.derive(
+            ("mamba2", self.chunk_size, self.conv_kernel), self.make_plan)
+        return self._mix(xbc, dt, A, conv_state, ssm_state, plan.meta, mplan)
+
+    def _project(self, hidden: torch.Tensor):
+        """-> gate [T, I], pre-conv xbc [T, conv_dim], dt [T, H] (softplus, clamped, fp32), A [H]."""
+        gate, xbc, dt = self.in_proj(hidden).split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         lo, hi = self.time_step_limit
         if lo > 0.0 or hi != float("inf"):
             dt = dt.clamp(min=lo, max=hi)
         A = -torch.exp(self.A_log.float())
+        return gate, xbc, dt, A
 
+    def _finish(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        out = self.norm(y.view(-1, self.intermediate_size), gate)
+        return self.out_proj(out.to(dtype))
+
+    def _mix(self, xbc, dt, A, conv_state, ssm_state, meta: StateMetadata,
+             plan: Mamba2Plan | None) -> torch.Tensor:
+        """Conv + SSM over the step's tokens, states updated in place -> y [T, H, P] fp32
+        (with the D skip term, before the gated norm)."""
+        T = xbc.shape[0]
+        I, H, P, N, G = self.intermediate_size, self.num_heads, self.head_dim, self.state_size, self.n_groups
         if meta.all_decode:
             assert meta.slots.shape[0] == T, "all_decode: one slot per token"
             xbc = self._conv_decode(xbc, conv_state, meta.slots, meta.has_initial_state)
@@ -261,9 +295,7 @@ class Mamba2Mixer(nn.Module):
                 t, r = plan.pf_toks, plan.pf_reqs
                 y[t] = self._ssd_varlen(x[t], dt[t], A, B[t], C[t], ssm_state, meta.slots[r],
                                         meta.has_initial_state[r], plan)
-        y = y + self.D.float()[:, None] * x
-        out = self.norm(y.view(T, I), gate)
-        return self.out_proj(out.to(hidden.dtype))
+        return y + self.D.float()[:, None] * x
 
     # ------------------------------------------------------------------ conv
     def _conv_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:

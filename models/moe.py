@@ -57,6 +57,41 @@ def _init_router_sizes(module: nn.Module, hidden_size: int, num_experts: int, to
     module.num_experts = num_experts
     module.top_k = top_k
 
+@torch.library.custom_op("zooinfer::fused_experts", mutates_args=())
+def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  gate_up_proj: torch.Tensor, down_proj: torch.Tensor, activation: str) -> torch.Tensor:
+    """sum_k w[t, k] * expert_k(x[t]). A custom op because the per-expert token counts are
+    data (a host sync and a loop whose trip count depends on the routing), which torch.compile
+    cannot trace with fullgraph=True; as an opaque op the rest of the MoE block compiles."""
+    out = torch.zeros_like(x)
+    num_tokens, top_k = top_k_index.shape
+    if num_tokens == 0:
+        return out
+    act = _activation(activation)
+    flat_expert = top_k_index.reshape(-1)
+    order = torch.argsort(flat_expert, stable=True)             # (token, slot) pairs grouped by expert
+    token_idx = torch.div(order, top_k, rounding_mode="floor")
+    weights = top_k_weights.reshape(-1).index_select(0, order)
+    counts = torch.bincount(flat_expert, minlength=gate_up_proj.shape[0]).tolist()
+    x_sorted = x.index_select(0, token_idx)
+    y_sorted = torch.empty_like(x_sorted)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        end = start + n
+        gate, up = F.linear(x_sorted[start:end], gate_up_proj[e]).chunk(2, dim=-1)
+        y_sorted[start:end] = F.linear(act(gate) * up, down_proj[e])
+        start = end
+    y_sorted = y_sorted * weights.unsqueeze(-1)
+    return out.index_add_(0, token_idx, y_sorted.to(out.dtype))
+
+
+@fused_experts.register_fake
+def _(x, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    return torch.empty_like(x)
+
+
 class FusedExperts(nn.Module):
     """`num_experts` gated MLPs (act(x Wg^T) * x Wu^T) Wd^T with HF's fused 3-D weight layout."""
 
@@ -67,33 +102,15 @@ class FusedExperts(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.activation = activation
         self.act = _activation(activation)
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """x [T, H]; top_k_index [T, K] (int); top_k_weights [T, K] -> sum_k w[t, k] * expert_k(x[t])."""
-        out = torch.zeros_like(x)
-        num_tokens, top_k = top_k_index.shape
-        if num_tokens == 0:
-            return out
-        flat_expert = top_k_index.reshape(-1)
-        order = torch.argsort(flat_expert, stable=True)             # (token, slot) pairs grouped by expert
-        token_idx = torch.div(order, top_k, rounding_mode="floor")
-        weights = top_k_weights.reshape(-1).index_select(0, order)
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        x_sorted = x.index_select(0, token_idx)
-        y_sorted = torch.empty_like(x_sorted)
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            end = start + n
-            gate, up = F.linear(x_sorted[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y_sorted[start:end] = F.linear(self.act(gate) * up, self.down_proj[e])
-            start = end
-        y_sorted = y_sorted * weights.unsqueeze(-1)
-        return out.index_add_(0, token_idx, y_sorted.to(out.dtype))
+        return torch.ops.zooinfer.fused_experts(x, top_k_index, top_k_weights, self.gate_up_proj,
+                                                self.down_proj, self.activation)
 
 
 class GatedMLP(nn.Module):

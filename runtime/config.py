@@ -1,6 +1,7 @@
 """EngineConfig: the knobs `LLM(...)` and the CLIs pass to the engine."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 
@@ -16,7 +17,8 @@ class EngineConfig:
     dtype: str | None = None                # default: the spec's dtype
     attention_backend: str = "torch"
     device: str = "cpu"
-    compile: bool = False
+    compile: bool = False                   # whole-model torch.compile, warmed up at engine start
+    compile_cache_dir: str | None = None    # TORCHINDUCTOR_CACHE_DIR for compile; None: leave the env alone
     enable_prefix_caching: bool = True      # hits need every KV cache group (not state layers yet)
     cuda_graphs: bool = False               # replay captured decode steps (device='cuda', flashinfer)
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
@@ -30,6 +32,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
+        if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, (str, os.PathLike)):
+            raise ValueError(f"compile_cache_dir must be a path, got {self.compile_cache_dir!r}")
         if self.cuda_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

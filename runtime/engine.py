@@ -90,8 +90,13 @@ class Engine:
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   attention_backend=config.attention_backend, device=config.device,
                                   kv_dtype=dtype, compile=config.compile,
+                                  compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
         phase("KV cache")
+        if config.compile:
+            self.runner.warm_up()
+            phase("compile")
+            log.info("compiled in %.1f s", self.startup_seconds["compile"])
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_id = itertools.count()
         log.info("engine ready: %s, KV %d blocks x %d tokens (%d tokens)", spec.name,

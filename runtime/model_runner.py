@@ -9,6 +9,9 @@ what a request samples.
 """
 from __future__ import annotations
 
+import os
+import time
+import types
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,7 +36,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, kv_config: KVCacheConfig, *, max_num_reqs: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], attention_backend: str = "torch",
                  device: str | torch.device = "cpu", kv_dtype: torch.dtype = torch.float32,
-                 compile: bool = False, cuda_graphs: bool = False, cuda_graph_max_bs: int = 256):
+                 compile: bool = False, compile_cache_dir: str | None = None,
+                 cuda_graphs: bool = False, cuda_graph_max_bs: int = 256):
         self.model = model
         self.device = torch.device(device)
         self.kv_config = kv_config
@@ -42,15 +46,32 @@ class ModelRunner:
         self.batch = InputBatch(max_num_reqs, max_model_len, [kv_config.block_size] * len(kv_config.groups))
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.sampler = Sampler()
-        if compile and any(isinstance(g.spec, StateSpec) for g in kv_config.groups):
-            raise ValueError("compile=True does not support state layers (mamba2, gated_deltanet) yet")
+        # State mixers by layer id: `zooinfer::state_update` finds its module here (see ForwardContext).
+        self.state_layers = {i: layer.mixer for i, layer in enumerate(model.layers)
+                             if getattr(layer, "mixer", None) is not None}
         self.compiled = compile
-        self.forward = torch.compile(model.forward, dynamic=True, fullgraph=True) if compile else model.forward
+        if compile and compile_cache_dir is not None:
+            # Inductor reads the variable when it first needs its cache, i.e. at the first compile.
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir)
+        self.forward = self._compile(model) if compile else model.forward
         self.graphs = None      # decode steps replay captured CUDA graphs (runtime/cuda_graphs.py)
         if cuda_graphs:
             from runtime.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self, max_num_reqs, cuda_graph_max_bs)
             self.graphs.capture()
+
+    @staticmethod
+    def _compile(model: CausalLM):
+        """torch.compile of the whole forward, fullgraph. Static (weights, caches and float
+        constants are fixed for the engine's life; dynamic=False also stops a guard failure
+        from making them symbolic); only the token dim varies, and every call marks it
+        unbacked. Dynamo caches compiled code per code object, so the forward gets a copy of
+        its own: another model in this process then never counts as a recompile of this one,
+        nor eats into its cache limit (a second model compiled as a recompile of the first
+        also crashed inductor, torch 2.13)."""
+        fn = type(model).forward
+        own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+        return torch.compile(types.MethodType(own, model), fullgraph=True, dynamic=False)
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[torch.Tensor]:
         """One zeroed byte buffer of `num_blocks` pages per shared slot; layer j of every
@@ -59,19 +80,65 @@ class ModelRunner:
         buffers = [torch.zeros(cfg.num_blocks, cfg.page_size_bytes, dtype=torch.uint8, device=self.device)
                    for _ in range(cfg.num_buffers)]
         caches = [None] * len(cfg.layer_to_group())
+        # One dtype view per buffer, and every layer's cache a view of it: layers sharing a
+        # buffer then share one autograd base, the only way torch.compile takes aliased,
+        # mutated inputs (a dtype view starts a new base). The KV dtype wins; state pages
+        # in a KV-typed buffer are reinterpreted inside the state op (StatePlan.gather).
+        dtypes: dict[int, torch.dtype] = {}
+        for group in sorted(cfg.groups, key=lambda g: isinstance(g.spec, StateSpec)):   # KV groups first
+            for j in range(len(group.layer_ids)):
+                dtypes.setdefault(j, group.spec.dtype)
+        typed = [buffers[j].view(dtypes.get(j, torch.uint8)) for j in range(cfg.num_buffers)]
         for group in cfg.groups:
             s = group.spec
-            if isinstance(s, StateSpec):        # states: pages as flat rows of the state dtype
+            if isinstance(s, StateSpec):        # states: pages as flat rows of the buffer's dtype
                 for j, layer in enumerate(group.layer_ids):
-                    caches[layer] = buffers[j].view(s.dtype).view(cfg.num_blocks, -1)
+                    caches[layer] = typed[j].view(cfg.num_blocks, -1)
                 continue
             if s.page_size_bytes != cfg.page_size_bytes:
                 raise ValueError("KV cache groups with different page sizes are not supported yet "
                                  f"({s.page_size_bytes} vs {cfg.page_size_bytes} bytes)")
             shape = self.backend.kv_cache_shape(cfg.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
             for j, layer in enumerate(group.layer_ids):
-                caches[layer] = buffers[j].view(s.dtype).view(shape)
+                caches[layer] = typed[j].view(shape)
         return caches
+
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int = 2) -> float:
+        """Run the forward once on a dummy one-request batch so a compiled model compiles now,
+        not on the first user step. Returns the seconds it took.
+
+        Every cache slot of the dummy request is in the null block 0 (state layers read and
+        write only page 0), so no block is allocated and the scheduler never hears of it;
+        block 0 is zeroed afterwards, as it was at allocation. The persistent batch is not
+        touched. The token dim is marked unbacked as in `execute`, so the graph compiled here
+        serves every later batch shape."""
+        start = time.perf_counter()
+        n = min(num_tokens, self.kv_config.block_size)
+        layer_meta = [None] * len(self.kv_caches)
+        for group in self.kv_config.groups:
+            if isinstance(group.spec, StateSpec):
+                meta = StatePlan.build([n], [False], torch.zeros(1, group.spec.pages, dtype=torch.long),
+                                       self.device, group.spec.dtype)
+            else:
+                layout = BatchLayout(query_start_loc=np.array([0, n]), seq_lens=np.array([n]),
+                                     block_table=torch.zeros(1, 1, dtype=torch.int32),
+                                     slot_mapping=torch.arange(n, dtype=torch.int64),
+                                     block_size=self.kv_config.block_size,
+                                     sliding_window=getattr(group.spec, "sliding_window", None))
+                meta = self.backend.plan(layout, self.device)
+            for layer in group.layer_ids:
+                layer_meta[layer] = meta
+        ids_t = torch.zeros(n, dtype=torch.int64, device=self.device)
+        pos_t = torch.arange(n, dtype=torch.int64, device=self.device)
+        if self.compiled:
+            torch._dynamo.decorators.mark_unbacked(ids_t, 0)
+            torch._dynamo.decorators.mark_unbacked(pos_t, 0)
+        with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)):
+            self.forward(ids_t, pos_t, self.kv_caches)
+        for cache in self.kv_caches:
+            cache[0].zero_()
+        return time.perf_counter() - start
 
     def _copy_pages(self, copies: list) -> None:
         """Copy whole pool pages in every layer of a group: state checkpoints, and a fork's
@@ -145,7 +212,7 @@ class ModelRunner:
             table = b.block_table[gid]
             if isinstance(group.spec, StateSpec):
                 meta = StatePlan.build(num_sched.tolist(), (b.num_computed_tokens[rows] > 0).tolist(),
-                                       table.tensor[rows_t, :group.spec.pages], self.device)
+                                       table.tensor[rows_t, :group.spec.pages], self.device, group.spec.dtype)
                 for layer in group.layer_ids:
                     layer_meta[layer] = meta
                 continue
@@ -169,7 +236,7 @@ class ModelRunner:
             torch._dynamo.decorators.mark_unbacked(ids_t, 0)
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
         self._copy_pages(so.copies_before)         # checkpoint loads, fork copies
-        with set_forward_context(ForwardContext(self.backend, layer_meta)):
+        with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)):
             hidden = self.graphs.replay(graph_bs, input_ids, positions) if graph_bs else \
                 self.forward(ids_t, pos_t, self.kv_caches)
         self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
