@@ -269,12 +269,23 @@ class KVCacheManager:
             hit -= 1
         if kv_managers and kv_hit > hit:
             self.branch_points[request_id] = kv_hit * self.block_size
-        if hit and self.pool.get_num_free_blocks() < sum(m.spec.pages for m in self.state_managers):
+        if hit and self.pool.get_num_free_blocks() < self._hit_cost(usable, hit, kv_managers):
             hit = 0          # no room for the request's own state pages: start uncached
         if hit:
             for m in self.managers:
                 m.take_hits(request_id, usable, hit)
         return hit * self.block_size
+
+    def _hit_cost(self, hashes: list[bytes], hit: int, kv_managers) -> int:
+        """Free blocks a hit of `hit` blocks takes: cached blocks it revives from the free
+        queue (ref_cnt 0) and, for state groups, the request's own state pages."""
+        pool, cost = self.pool, 0
+        for m in kv_managers:
+            cost += sum(pool.get_cached_block(m.group_id, hashes[i]).ref_cnt == 0 for i in m.needed_hit_range(hit))
+        for m in self.state_managers:
+            cost += m.spec.pages + sum(pool.get_cached_block(m.group_id, k).ref_cnt == 0
+                                       for k in m._keys(hashes[hit - 1]))
+        return cost
 
     def checkpoint_positions(self, request_id: str, num_prompt_tokens: int) -> tuple[int, ...]:
         """Where a prompt's state checkpoints go (token counts, each a block boundary): its

@@ -16,8 +16,8 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 torch.set_num_threads(1)
 
-from cache.kv_cache_spec import FullAttentionSpec  # noqa: E402
-from cache.manager import KVCacheManager  # noqa: E402
+from cache.kv_cache_spec import FullAttentionSpec, StateSpec  # noqa: E402
+from cache.manager import KVCacheManager, StateManager  # noqa: E402
 from cache.sizing import make_kv_cache_config  # noqa: E402
 from runtime.request import Request, RequestStatus  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
@@ -35,26 +35,48 @@ def fake_token(req: Request) -> int:
     return (len(req.all_token_ids) * 7 + int(req.request_id[1:]) * 13) % 1000 + 1
 
 
+def is_state(sched: Scheduler, gid: int) -> bool:
+    return isinstance(sched.kv.managers[gid], StateManager)
+
+
+def blocks_for(sched: Scheduler, gid: int, num_tokens: int) -> int:
+    """Blocks a request with `num_tokens` computed (or scheduled) tokens holds in group gid."""
+    return sched.kv.managers[gid].spec.pages if is_state(sched, gid) else ceil_div(num_tokens, BLOCK_SIZE)
+
+
 class FakeRunner:
-    """Applies SchedulerOutput deltas the way ModelRunner._update_batch does."""
+    """Applies SchedulerOutput deltas the way ModelRunner._update_batch does.
+
+    Attention pages hold the tokens written at each offset. A state page holds the tokens
+    the state has absorbed, (page index, tuple of tokens): a step extends it, copies
+    (checkpoint loads and saves, fork copies) move it, and a request that resumes from
+    computed tokens must find exactly those tokens in its state."""
 
     def __init__(self):
         self.tables: dict[str, list[list[int]]] = {}
         self.tokens: dict[str, list[int]] = {}
         self.content: dict[tuple[int, int], int] = {}   # (block id, offset) -> token written there
+        self.state: dict[int, tuple[int, tuple]] = {}    # state page id -> (page index, tokens)
         self.forked: set[str] = set()                     # samples 1.. of n > 1 requests
 
-    def execute(self, sched: Scheduler, out) -> dict[str, int]:
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.tables.pop(rid, None)
-            self.tokens.pop(rid, None)
-        for _, src, dst in out.copies_before:   # fork copy-on-write: whole pages
+    def copy_pages(self, copies) -> None:
+        for _, src, dst in copies:
             for s, d in zip(src, dst):
                 for o in range(BLOCK_SIZE):
                     if (s, o) in self.content:
                         self.content[(d, o)] = self.content[(s, o)]
                     else:
                         self.content.pop((d, o), None)
+                if s in self.state:
+                    self.state[d] = self.state[s]
+                else:
+                    self.state.pop(d, None)
+
+    def execute(self, sched: Scheduler, out) -> dict[str, int]:
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.tables.pop(rid, None)
+            self.tokens.pop(rid, None)
+        self.copy_pages(out.copies_before)     # checkpoint loads, fork copy-on-write
         for rid, new_ids in out.new_block_ids.items():
             assert rid in self.tables, f"block delta for {rid} which is not in the batch"
             for table, ids in zip(self.tables[rid], new_ids):
@@ -83,8 +105,16 @@ class FakeRunner:
             # The batch knows every token it is asked to compute.
             assert len(self.tokens[rid]) >= end
             # Every token of the step has a slot in the mirrored table, in every group.
-            for table in self.tables[rid]:
-                assert len(table) == ceil_div(end, BLOCK_SIZE)
+            for gid, table in enumerate(self.tables[rid]):
+                assert len(table) == blocks_for(sched, gid, end)
+                if is_state(sched, gid):   # the state must be exactly that of the computed tokens
+                    start = tuple(self.tokens[rid][:req.num_computed_tokens])
+                    if req.num_computed_tokens:
+                        assert all(self.state.get(b) == (j, start) for j, b in enumerate(table)), \
+                            f"{rid} resumes at {req.num_computed_tokens} from a wrong state"
+                    for j, b in enumerate(table):
+                        self.state[b] = (j, tuple(self.tokens[rid][:end]))
+                    continue
                 for pos in range(req.num_computed_tokens, end):   # "compute" = write the token
                     block = table[pos // BLOCK_SIZE]
                     cached = sched.kv.pool.blocks[block].block_hash is not None
@@ -97,13 +127,17 @@ class FakeRunner:
                 tok = fake_token(req)
                 sampled[rid] = tok
                 self.tokens[rid].append(tok)
+        self.copy_pages(out.copies_after)      # checkpoint saves: the state after this step
         return sampled
 
 
 def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, num_groups=1,
-                   caching=False):
+                   caching=False, state_pages=0):
     specs = {layer: FullAttentionSpec(BLOCK_SIZE, 1 + layer, 8, torch.float32)
              for layer in range(num_groups)}
+    if state_pages:   # a Mamba-like layer whose state fills `state_pages` pool pages
+        page = max(s.page_size_bytes for s in specs.values())
+        specs[num_groups] = StateSpec(BLOCK_SIZE, shapes=(("s", (state_pages * page // 4,)),))
     cfg = make_kv_cache_config(specs, BLOCK_SIZE, num_blocks=num_blocks, min_tokens=max_model_len)
     kv = KVCacheManager(cfg, enable_caching=caching)
     return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -126,14 +160,18 @@ def check_pool(sched: Scheduler, live_ids=None) -> None:
                 if len(owner[b.block_id]) > 1:   # shared (prefix hit or fork): full and computed for all
                     computed = sched.requests[rid].num_computed_tokens
                     assert (i + 1) * BLOCK_SIZE <= computed, f"{rid} shares block {b.block_id} it still writes"
-    pinned = {}
-    for bid in {b.block_id for b in kv._pins_in_flight} | {b.block_id for bl in kv._pins_pending.values() for b in bl}:
-        pinned[bid] = kv.num_pinned(pool.blocks[bid])
+    # Pins: fork copies not yet run, and a step's checkpoint loads and saves.
+    pins = kv._pins_in_flight + [b for bl in kv._pins_pending.values() for b in bl] + \
+        [b for m in kv.state_managers for b in m.pinned]
+    pinned = Counter(b.block_id for b in pins)
     for bid, owners in owner.items():
         # One reference per owner (several: shared), plus pins of fork copies not yet run.
         assert pool.blocks[bid].ref_cnt == len(owners) + pinned.get(bid, 0), \
             f"block {bid} owners {owners} ref_cnt {pool.blocks[bid].ref_cnt}"
         assert len({o.split("/")[1] for o in owners}) == 1, f"block {bid} in two groups: {owners}"
+    for bid, n in pinned.items():
+        if bid not in owner:
+            assert pool.blocks[bid].ref_cnt == n, f"pinned block {bid} ref_cnt {pool.blocks[bid].ref_cnt} != {n}"
     free_ids = pool.free_block_queue.block_ids()
     assert len(free_ids) == len(set(free_ids)) == pool.get_num_free_blocks()
     assert 0 not in free_ids
@@ -153,13 +191,13 @@ def check_pool(sched: Scheduler, live_ids=None) -> None:
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), max_num_seqs=st.integers(1, 8),
                 max_num_batched_tokens=st.integers(3, 64), num_groups=st.sampled_from([1, 1, 2]),
-                caching=st.booleans())
-    def setup(self, num_blocks, max_num_seqs, max_num_batched_tokens, num_groups, caching):
+                caching=st.booleans(), state_pages=st.sampled_from([0, 0, 1, 2]))
+    def setup(self, num_blocks, max_num_seqs, max_num_batched_tokens, num_groups, caching, state_pages):
         # The pool must hold one full-length request in every group. make_kv_cache_config
         # only checks one group (see test_sizing_counts_every_group), so size it here.
-        self.max_model_len = min(64, (num_blocks - 1) // num_groups * BLOCK_SIZE)
+        self.max_model_len = min(64, (num_blocks - 1 - state_pages) // num_groups * BLOCK_SIZE)
         self.sched = make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens,
-                                    self.max_model_len, num_groups, caching)
+                                    self.max_model_len, num_groups, caching, state_pages)
         self.runner = FakeRunner()
         self.next_id = 0
         self.finished: dict[str, Request] = {}
@@ -251,8 +289,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Blocks cover exactly what will have been computed after this step.
         for req in sched.running:
             n = req.num_computed_tokens + out.num_scheduled_tokens.get(req.request_id, 0)
-            for ids in sched.kv.get_block_ids(req.request_id):
-                assert len(ids) == ceil_div(n, BLOCK_SIZE), (req.request_id, n, ids)
+            for gid, ids in enumerate(sched.kv.get_block_ids(req.request_id)):
+                assert len(ids) == blocks_for(sched, gid, n), (req.request_id, n, ids)
         check_pool(sched)
 
         scheduled = {rid: sched.requests[rid] for rid in out.num_scheduled_tokens}
@@ -297,13 +335,19 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in list(self.sched.requests.values()) + list(self.finished.values()):
             for i, h in enumerate(req.block_hashes):
                 known[h] = req.all_token_ids[: (i + 1) * BLOCK_SIZE]
-        for (gid, h), block in kv.pool.cached.items():
-            assert block.block_hash == (gid, h)
+        for (gid, key), block in kv.pool.cached.items():
+            assert block.block_hash == (gid, key)
+            # A state checkpoint page is published under its block's hash + its page index.
+            h, page = (key[:-4], int.from_bytes(key[-4:], "little")) if is_state(self.sched, gid) else (key, None)
             tokens = known[h]
             parent = None
             for start in range(0, len(tokens), BLOCK_SIZE):
                 parent = hash_block(parent, tokens[start: start + BLOCK_SIZE])
             assert parent == h
+            if page is not None:
+                assert self.runner.state.get(block.block_id) == (page, tuple(tokens)), \
+                    f"checkpoint page {block.block_id} is not the state after its {len(tokens)} tokens"
+                continue
             written = [self.runner.content.get((block.block_id, o)) for o in range(BLOCK_SIZE)]
             assert written == list(tokens[-BLOCK_SIZE:]), f"block {block.block_id} content differs from its hash"
 
@@ -319,8 +363,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         for req in sched.running:
             assert req.status == RequestStatus.RUNNING
             assert req.num_computed_tokens < req.num_tokens
-            for ids in sched.kv.get_block_ids(req.request_id):
-                assert len(ids) == ceil_div(req.num_computed_tokens, BLOCK_SIZE)
+            for gid, ids in enumerate(sched.kv.get_block_ids(req.request_id)):
+                assert len(ids) == blocks_for(sched, gid, req.num_computed_tokens)
             # The runner's mirrored table is the manager's table.
             assert self.runner.tables[req.request_id] == sched.kv.get_block_ids(req.request_id)
             assert self.runner.tokens[req.request_id] == req.all_token_ids
@@ -328,8 +372,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             if req.request_id in sched.held_waiting:   # a fork holding its parent's prefix
                 assert req.num_computed_tokens == req.num_prompt_tokens - 1 > 0
-                for ids in sched.kv.get_block_ids(req.request_id):
-                    assert len(ids) == ceil_div(req.num_computed_tokens, BLOCK_SIZE)
+                for gid, ids in enumerate(sched.kv.get_block_ids(req.request_id)):
+                    assert len(ids) == blocks_for(sched, gid, req.num_computed_tokens)
             else:
                 assert req.num_computed_tokens == 0
                 assert sched.kv.get_block_ids(req.request_id) == [[]] * sched.kv.num_groups
