@@ -31,7 +31,9 @@ Paths:
 
 The host-side index work for the mixed path is in `Mamba2Plan`; build it once per step
 (`Mamba2Plan.build(meta, chunk_size, conv_kernel)`) and pass it to every Mamba2 layer of the
-group, or let `forward` build it.
+group, or let `forward` build it. The engine's path, `forward_paged`, runs the conv and scan
+inside the `zooinfer::state_update` custom op and builds the plan once per step per group
+(`StatePlan.derive`), so the model compiles with fullgraph=True.
 """
 from __future__ import annotations
 
