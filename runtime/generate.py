@@ -11,6 +11,7 @@ import sys
 import time
 
 from models import SpecError, WeightError
+from runtime.beam_search import BeamSearchParams
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
 
@@ -28,12 +29,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=None)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model forward")
+    ap.add_argument("--compile-cache-dir", default=None)
+    ap.add_argument("--attention-backend", default="torch", help="torch (default), triton or flashinfer")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (greedy sampling off)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         t0 = time.perf_counter()
         llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                  compile=args.compile)
+                  compile=args.compile, compile_cache_dir=args.compile_cache_dir,
+                  attention_backend=args.attention_backend, device=args.device, dtype=args.dtype)
         print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
         prompts = args.prompt
         tok = llm.get_tokenizer()
@@ -42,14 +49,26 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError("--chat needs a tokenizer with a chat template")
             prompts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                add_generation_prompt=True) for p in prompts]
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                seed=args.seed, max_tokens=args.max_tokens)
         t0 = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        dt = time.perf_counter() - t0
-    except (SpecError, WeightError, ValueError, ModuleNotFoundError) as e:
+        if args.beam_width:
+            beams = llm.beam_search(prompts, BeamSearchParams(args.beam_width, args.max_tokens))
+            dt = time.perf_counter() - t0
+        else:
+            params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                    seed=args.seed, max_tokens=args.max_tokens)
+            outputs = llm.generate(prompts, params)
+            dt = time.perf_counter() - t0
+    except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.beam_width:
+        for prompt, out in zip(args.prompt, beams):
+            print(f"### {prompt}")
+            for i, seq in enumerate(out.sequences):
+                print(f"[beam {i}, cum_logprob {seq.cum_logprob:.3f}] {seq.text}")
+            print()
+        print(f"[beam search in {dt:.2f}s]", file=sys.stderr)
+        return 0
     n = 0
     for prompt, out in zip(args.prompt, outputs):
         c = out.outputs[0]

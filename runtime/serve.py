@@ -392,7 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV pool")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model forward")
+    ap.add_argument("--compile-cache-dir", default=None, help="inductor cache (warm restarts compile in seconds)")
+    ap.add_argument("--attention-backend", default="torch", help="torch (default), triton or flashinfer")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the spec's)")
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (cuda + flashinfer)")
+    ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--graceful-timeout", type=float, default=10.0,
                     help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
@@ -408,9 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                               kv_cache_memory=int(args.kv_cache_memory * (1 << 30)),
-                              block_size=args.block_size, compile=args.compile)
+                              block_size=args.block_size, compile=args.compile,
+                              compile_cache_dir=args.compile_cache_dir, attention_backend=args.attention_backend,
+                              device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
+                              enable_prefix_caching=not args.no_prefix_caching)
         engine = Engine(args.model, config)
-    except (SpecError, WeightError, ValueError, ModuleNotFoundError, FileNotFoundError) as e:
+    except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     name = args.served_model_name or engine.spec.name
