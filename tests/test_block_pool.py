@@ -286,7 +286,8 @@ def test_stats():
                  "groups": [{"group": 0, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0},
                             {"group": 1, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0}],
                  "prefix_caching": True, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
-                 "prefix_cache_hit_rate": 0.0, "cached_blocks": 0, "evictions": 0}
+                 "prefix_cache_hit_rate": 0.0, "cached_blocks": 0, "evictions": 0,
+                 "forks": 0, "fork_copied_blocks": 0}
     kv.allocate_slots("a", 5)    # 2 per group
     kv.allocate_slots("b", 1)    # 1 per group
     s = kv.stats()
