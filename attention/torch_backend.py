@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from attention import cpu_ops
 from attention.backend import AttentionBackend, BatchLayout
 
 # dtypes the CPU sampled_addmm kernel dispatches on
@@ -56,6 +57,7 @@ class _Decodes:
     rows: np.ndarray            # [n] batch rows, for the padded fallback
     patterns: dict = field(default_factory=dict)
     fallback: _Part | None = None
+    kernel: tuple | None = None  # (block_table, rows, seq_lens, window) for the C++ kernel, when built
 
 
 @dataclass(slots=True)
@@ -158,6 +160,9 @@ class TorchAttentionBackend(AttentionBackend):
         decodes = None
         if len(decode) and device.type == "cpu":
             decodes = _make_decodes(layout, decode, device)
+            if cpu_ops.available():   # float32 decodes then run in attention/cpu_kernels (one pass over the pages)
+                decodes.kernel = (layout.block_table, torch.from_numpy(decode.astype(np.int64)),
+                                  torch.from_numpy(layout.seq_lens[decode].astype(np.int64)), layout.sliding_window)
         elif len(decode):
             rest = np.concatenate([decode, rest])
         parts = [_make_part(layout, rest, device)] if len(rest) else []
@@ -176,7 +181,11 @@ class TorchAttentionBackend(AttentionBackend):
         parts = meta.parts
         d = meta.decodes
         if d is not None:
-            if q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES:
+            if (d.kernel is not None and q.dtype == kv_cache.dtype == torch.float32
+                    and kv_cache.is_contiguous()):
+                table, rows, seq_lens, window = d.kernel
+                cpu_ops.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out)
+            elif q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES:
                 self._decode(q, kv_cache, d, scale, out)
             else:   # no sparse kernel for this dtype: the padded path, planned once per step
                 if d.fallback is None:

@@ -1,0 +1,118 @@
+"""C++ CPU kernels (attention/cpu_kernels/), JIT-built once per machine and torch version.
+
+`paged_decode` is the CPU decode path of the torch backend: it reads each page of a request
+once, token-major, with the query heads of a GQA group sharing each K/V row (see the .cpp
+header for why that beats the sparse `sampled_addmm` path). The build is lazy: the first
+`available()` call compiles (tens of seconds) or loads the cached library from
+`$ZOOINFER_CACHE/torch_extensions` (default `~/.cache/zooinfer/torch_extensions`).
+
+The library is built with `-march=native` (the cache directory is keyed by a hash of the
+CPU's feature flags and the torch version, so a home directory shared between different
+machines never loads code built for another CPU); if that build fails it retries with
+plain `-O3`; if that fails too it warns once and `available()` stays False, so callers fall
+back to their torch path. `ZOOINFER_CPU_KERNELS=0` forces the fallback without building.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode.cpp"
+_lock = threading.Lock()
+_state: dict = {}          # "ok": bool once a build was attempted; "seconds": build/load time
+
+
+def enabled() -> bool:
+    """False when ZOOINFER_CPU_KERNELS=0 (read on every call, so tests can toggle it)."""
+    return os.environ.get("ZOOINFER_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cpu_key() -> str:
+    """Hash of the CPU's feature flags: code built with -march=native runs only where they match."""
+    flags = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags += line
+                break
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def _build_root() -> Path:
+    root = os.environ.get("ZOOINFER_CACHE") or Path.home() / ".cache" / "zooinfer"
+    return Path(root) / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}-{_cpu_key()}"
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+    try:   # the `ninja` wheel puts its binary next to the venv's python, which may not be on PATH
+        import ninja
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    errors = []
+    for name, arch in (("zooinfer_cpu_native", ["-march=native"]), ("zooinfer_cpu", [])):
+        build_dir = _build_root() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+                               extra_cflags=["-O3", "-fopenmp", *arch], extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
+            return
+        except Exception as e:   # noqa: BLE001 - any build failure means "use the fallback"
+            errors.append(f"{' '.join(arch) or 'plain -O3'}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
+    raise RuntimeError("; ".join(errors))
+
+
+def available() -> bool:
+    """Whether the kernels can be used now (env switch on, library built or loaded)."""
+    if not enabled():
+        return False
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                t0 = time.perf_counter()
+                try:
+                    if shutil.which(os.environ.get("CXX", "c++")) is None:
+                        raise RuntimeError("no C++ compiler found (set CXX)")
+                    _build()
+                    _state["ok"] = True
+                except Exception as e:   # noqa: BLE001
+                    warnings.warn(f"zooinfer C++ CPU kernels unavailable, using the torch fallback: {e}",
+                                  RuntimeWarning, stacklevel=2)
+                    _state["ok"] = False
+                _state["seconds"] = time.perf_counter() - t0
+    return _state["ok"]
+
+
+def build_seconds() -> float | None:
+    """Seconds the first `available()` spent building or loading the library (None before)."""
+    return _state.get("seconds")
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
+                 token_index: torch.Tensor, seq_lens: torch.Tensor, window: int | None, scale: float,
+                 out: torch.Tensor) -> None:
+    """Decode attention written into `out[token_index]`.
+
+    q, out: float32 `[num_tokens, heads, head_dim]` (any strides, last dim contiguous);
+    kv_cache: one layer's contiguous `[blocks, 2, block_size, kv_heads, head_dim]` float32;
+    block_table: int32 `[num_reqs, max_blocks]`; rows, token_index, seq_lens: int64 `[n]`
+    (block table row, query token and context length incl. the new token of each decode);
+    window: sliding window (keys at positions > seq_len - 1 - window) or None.
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    torch.ops.zooinfer_cpu.paged_decode(q, kv_cache, block_table, rows, token_index, seq_lens,
+                                        0 if window is None else int(window), float(scale), out)

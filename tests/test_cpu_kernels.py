@@ -1,0 +1,169 @@
+"""The C++ paged decode kernel (attention/cpu_kernels) against the torch backend's sparse
+decode path, its padded SDPA path and a float64 reference; and the whole engine with the
+kernel on and off. The first test in a fresh cache dir pays the one-time JIT build."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from attention import BatchLayout, cpu_ops, get_backend
+from attention.torch_backend import _make_part
+from runtime import LLM, SamplingParams
+
+torch.set_num_threads(1)
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler to build the CPU kernels")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    """Every test here needs the library: a build failure is a failure, not a silent fallback."""
+    assert cpu_ops.available(), "the C++ CPU kernels did not build (see the warning)"
+
+
+def _batch(heads, kv_heads, dim, ctx, window, bs=16, seed=0):
+    """Decodes over shuffled pages. Pages wholly below the window point at the null block, and
+    it, every slot past a request's last token and every table slot past its last page hold
+    NaN: any read of them shows up in the output."""
+    gen = torch.Generator().manual_seed(seed)
+    ctx = np.asarray(ctx)
+    n_pages = -(-ctx // bs)
+    num_blocks = int(n_pages.sum()) + 1
+    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).numpy()
+    table = np.zeros((len(ctx), int(n_pages.max()) + 2), dtype=np.int32)
+    first = np.concatenate(([0], np.cumsum(n_pages)))
+    cache = torch.randn(num_blocks, 2, bs, kv_heads, dim, generator=gen)
+    for i, (L, nb) in enumerate(zip(ctx, n_pages)):
+        table[i, :nb] = perm[first[i]:first[i + 1]]
+        cache[table[i, nb - 1], :, (L - 1) % bs + 1:] = float("nan")      # slots past the last token
+        if window is not None:
+            table[i, :max(L - window, 0) // bs] = 0                       # dead pages: the null block
+    cache[0] = float("nan")
+    pos = ctx - 1
+    slots = table[np.arange(len(ctx)), pos // bs].astype(np.int64) * bs + pos % bs
+    layout = BatchLayout(query_start_loc=np.arange(len(ctx) + 1), seq_lens=ctx, block_table=torch.from_numpy(table),
+                         slot_mapping=torch.from_numpy(slots), block_size=bs, sliding_window=window)
+    q = torch.randn(len(ctx), heads, dim, generator=gen)
+    return layout, cache, q
+
+
+def _reference(layout, cache, q, scale):
+    """float64 attention of each decode over its visible keys, gathered position by position."""
+    bs, window = layout.block_size, layout.sliding_window
+    table = layout.block_table.numpy()
+    group = q.shape[1] // cache.shape[3]
+    out = []
+    for i, L in enumerate(layout.seq_lens):
+        pos = np.arange(0 if window is None else max(L - window, 0), L)
+        blocks = torch.from_numpy(table[i, pos // bs].astype(np.int64))
+        k = cache[blocks, 0, torch.from_numpy(pos % bs)].double().repeat_interleave(group, dim=1)   # [keys, H, D]
+        v = cache[blocks, 1, torch.from_numpy(pos % bs)].double().repeat_interleave(group, dim=1)
+        w = (torch.einsum("hd,khd->hk", q[i].double(), k) * scale).softmax(-1)
+        out.append(torch.einsum("hk,khd->hd", w, v))
+    return torch.stack(out).float()
+
+
+def _paths(layout, cache, q, scale, monkeypatch):
+    """(kernel, sparse, padded) outputs of the backend for a decode-only batch."""
+    backend = get_backend("torch")
+    k, v = torch.zeros(0), torch.zeros(0)   # the forward's K/V write is bypassed: the cache holds them
+
+    def run(env):
+        monkeypatch.setenv("ZOOINFER_CPU_KERNELS", env)
+        meta = backend.plan(layout, torch.device("cpu"))
+        assert (meta.decodes.kernel is not None) == (env == "1") and meta.parts == []
+        out = torch.empty_like(q)
+        if env == "1":
+            table, rows, seq_lens, window = meta.decodes.kernel
+            cpu_ops.paged_decode(q, cache, table, rows, meta.decodes.token_index, seq_lens, window, scale, out)
+        else:
+            backend._decode(q, cache, meta.decodes, scale, out)
+        return out
+
+    kernel, sparse = run("1"), run("0")
+    clean = cache.nan_to_num(0.0)   # the padded path gathers whole padded page grids, null block included
+    padded = torch.empty_like(q)
+    backend._padded(q, clean, _make_part(layout, np.arange(len(q)), torch.device("cpu")), scale, padded)
+    return kernel, sparse, padded
+
+
+CTX = [1, 16, 32, 5, 47, 190, 17, 64, 2, 100]          # 1 token, exact block multiples, ragged
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 8, 32), (8, 2, 64), (6, 2, 24)])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_kernel_matches_sparse_padded_and_reference(heads, kv_heads, dim, window, monkeypatch):
+    layout, cache, q = _batch(heads, kv_heads, dim, CTX, window, seed=heads + dim + (window or 0))
+    scale = dim ** -0.5
+    kernel, sparse, padded = _paths(layout, cache, q, scale, monkeypatch)
+    assert torch.isfinite(kernel).all()
+    torch.testing.assert_close(kernel, sparse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel, padded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kernel, _reference(layout, cache, q, scale), rtol=1e-5, atol=1e-5)
+
+
+def test_strided_queries_scattered_tokens_and_threads():
+    """q as a strided view (a slice of a fused qkv buffer), decodes at scattered token slots of
+    a larger batch (only those slots of `out` are written), and the (request, kv head) split
+    that runs when there are fewer decodes than threads."""
+    heads, kv_heads, dim = 6, 2, 24
+    layout, cache, q = _batch(heads, kv_heads, dim, [33, 7, 80], window=None, seed=3)
+    ref = _reference(layout, cache, q, 0.3)
+    fused = torch.randn(8, heads * dim * 2)                # tokens of a mixed batch, q in the first half
+    token_index = torch.tensor([5, 0, 3])
+    fused[token_index, : heads * dim] = q.reshape(3, -1)
+    q_view = fused[:, : heads * dim].view(8, heads, dim)
+    assert not q_view.is_contiguous()
+    table, rows, seq_lens = layout.block_table, torch.arange(3), torch.from_numpy(layout.seq_lens.astype(np.int64))
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 4):                           # 4 > 3 decodes: split by kv head
+            torch.set_num_threads(n_threads)
+            out = torch.full((8, heads, dim), 7.0)
+            cpu_ops.paged_decode(q_view, cache, table, rows, token_index, seq_lens, None, 0.3, out)
+            torch.testing.assert_close(out[token_index], ref, rtol=1e-5, atol=1e-5)
+            untouched = torch.ones(8, dtype=torch.bool)
+            untouched[token_index] = False
+            assert (out[untouched] == 7.0).all()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bad_inputs_raise_one_line():
+    layout, cache, q = _batch(4, 2, 16, [20], window=None)
+    table, rows = layout.block_table, torch.zeros(1, dtype=torch.long)
+    tok, out = torch.zeros(1, dtype=torch.long), torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="outside the block table"):
+        cpu_ops.paged_decode(q, cache, table, rows, tok, torch.tensor([10_000]), None, 1.0, out)
+    bad = table.clone()
+    bad[0, 1] = cache.shape[0] + 3
+    with pytest.raises(RuntimeError, match="block id .* out of range"):
+        cpu_ops.paged_decode(q, cache, bad, rows, tok, torch.tensor([20]), None, 1.0, out)
+    with pytest.raises(RuntimeError, match="float32"):
+        cpu_ops.paged_decode(q.double(), cache.double(), table, rows, tok, torch.tensor([20]), None, 1.0,
+                             out.double())
+
+
+PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 23, 40, 1)]
+
+
+@pytest.mark.parametrize("spec", ["zoo/smollm2-tiny.yaml", "zoo/mistral-sw-small.yaml"])
+def test_llm_greedy_same_with_kernel_on_and_off(spec, monkeypatch):
+    """Whole engine, greedy, 30 tokens: decodes cross page boundaries, and mistral-sw-small's
+    24-token window frees pages (null block in the table) while decoding."""
+    calls = []
+    kernel = cpu_ops.paged_decode
+    monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a: calls.append(1) or kernel(*a))
+    llm = LLM(spec, max_model_len=128)
+    params = SamplingParams(temperature=0, max_tokens=30)
+    tokens = {}
+    for env in ("1", "0"):
+        monkeypatch.setenv("ZOOINFER_CPU_KERNELS", env)
+        before = len(calls)
+        tokens[env] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+        assert (len(calls) > before) == (env == "1")
+    assert tokens["1"] == tokens["0"]
+    assert len({t for toks in tokens["0"] for t in toks}) > 5     # the model does not collapse to one token
