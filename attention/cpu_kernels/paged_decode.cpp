@@ -22,20 +22,146 @@
 
 namespace {
 
-// Eight independent partial sums: vectorises without -ffast-math (no reassociation needed).
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float lanes[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+// 8 floats as a GCC/Clang vector: one AVX register, two SSE ones on older targets; unaligned
+// loads and stores through memcpy. Loops over a head's dims use it explicitly, so the
+// code does not depend on what the auto-vectoriser makes of short runtime trip counts.
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+
+inline vf load(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x}; }
+inline float hsum(vf v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+// exp for x <= 0 (scores minus their running max), Cephes-style: 2^n * p(r), r = x - n ln 2,
+// a few ulp; x below -87 (incl. -inf) gives exactly 0.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.f);
+  const vi dead = x < lo;
+  x = dead ? lo : x;
+  vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  n = n > fx ? n - splat(1.f) : n;                                    // floor
+  const vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.f);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  y = y * scale;
+  return dead ? splat(0.f) : y;
+}
+
+// KD > 0: the head dim known at compile time (loops fully unrolled); KD == 0: runtime `dim`.
+template <int64_t KD>
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
+  const int64_t D = KD > 0 ? KD : dim;
+  vf acc = splat(0.f);
   int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    for (int l = 0; l < 8; ++l) lanes[l] += a[d + l] * b[d + l];
-  }
-  float s = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-  for (; d < n; ++d) s += a[d] * b[d];
+  for (; d + 8 <= D; d += 8) acc += load(a + d) * load(b + d);
+  float s = hsum(acc);
+  for (; d < D; ++d) s += a[d] * b[d];
   return s;
 }
 
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) y[d] += a * x[d];
+template <int64_t KD>
+inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t dim) {
+  const int64_t D = KD > 0 ? KD : dim;
+  const vf av = splat(a);
+  int64_t d = 0;
+  for (; d + 8 <= D; d += 8) store(y + d, load(y + d) + av * load(x + d));
+  for (; d < D; ++d) y[d] += a * x[d];
+}
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector)
+#define ZOO_HAVE_SHUFFLE 1
+#endif
+#endif
+
+// Pairwise sums inside 128-bit halves: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7].
+#ifdef ZOO_HAVE_SHUFFLE
+inline vf pair_sums(vf a, vf b) {
+  return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+         __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+#endif
+
+// The eight horizontal sums of v[0..7] as one vector (a transposed reduction: 7 shuffle-adds
+// for eight dot products instead of a full reduction each).
+inline vf hsum8(const vf* v) {
+#ifdef ZOO_HAVE_SHUFFLE
+  const vf u0 = pair_sums(pair_sums(v[0], v[1]), pair_sums(v[2], v[3]));
+  const vf u1 = pair_sums(pair_sums(v[4], v[5]), pair_sums(v[6], v[7]));
+  return __builtin_shufflevector(u0, u1, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
+#else
+  vf r;
+  for (int i = 0; i < 8; ++i) r[i] = hsum(v[i]);
+  return r;
+#endif
+}
+
+// Scores of one query head against rows [t0, t1) of one kv head's K in a page (rows
+// `stride` floats apart): p[t] = q . k_t. KD > 0 (a multiple of 8): the query stays in
+// registers and eight rows are reduced together; KD == 0: one dot product per row.
+template <int64_t KD>
+inline void head_scores(const float* __restrict qv, const float* __restrict k, int64_t stride, int64_t t0,
+                        int64_t t1, int64_t dim, float* __restrict p) {
+  int64_t t = t0;
+  if constexpr (KD > 0) {
+    constexpr int64_t NV = KD / 8;
+    vf qr[NV];
+    for (int64_t c = 0; c < NV; ++c) qr[c] = load(qv + 8 * c);
+    for (; t + 8 <= t1; t += 8) {
+      vf a[8];
+      for (int u = 0; u < 8; ++u) {
+        const float* row = k + (t + u) * stride;
+        a[u] = qr[0] * load(row);
+        for (int64_t c = 1; c < NV; ++c) a[u] += qr[c] * load(row + 8 * c);
+      }
+      store(p + t, hsum8(a));
+    }
+  }
+  for (; t < t1; ++t) p[t] = dot<KD>(qv, k + t * stride, dim);
+}
+
+// acc += sum over rows t in [t0, t1) of w[t] * v_t; KD > 0: the accumulator stays in registers.
+template <int64_t KD>
+inline void head_values(float* __restrict acc, const float* __restrict w, const float* __restrict v,
+                        int64_t stride, int64_t t0, int64_t t1, int64_t dim) {
+  if constexpr (KD > 0) {
+    constexpr int64_t NV = KD / 8;
+    vf o[NV];
+    for (int64_t c = 0; c < NV; ++c) o[c] = load(acc + 8 * c);
+    for (int64_t t = t0; t < t1; ++t) {
+      const vf wt = splat(w[t]);
+      const float* row = v + t * stride;
+      for (int64_t c = 0; c < NV; ++c) o[c] += wt * load(row + 8 * c);
+    }
+    for (int64_t c = 0; c < NV; ++c) store(acc + 8 * c, o[c]);
+  } else {
+    for (int64_t t = t0; t < t1; ++t) axpy<0>(acc, w[t], v + t * stride, dim);
+  }
+}
+
+// Prefetch (into L2) `rows` rows of `len` floats, `stride` floats apart.
+inline void prefetch_rows(const float* base, int64_t stride, int64_t rows, int64_t len) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const char* row = reinterpret_cast<const char*>(base + t * stride);
+    for (int64_t b = 0; b < len * 4; b += 64) __builtin_prefetch(row + b, 0, 2);
+  }
 }
 
 struct Shape {
@@ -45,45 +171,51 @@ struct Shape {
 };
 
 // Attention of decode `i` for kv heads [h0, h1) (query heads [h0 * group, h1 * group)).
-// `scratch` holds (h1 - h0) * group * (2 * dim + block_size + 2) floats.
+// `scratch` holds (h1 - h0) * group * (2 * dim + block_size + 10) floats.
+template <int64_t KD>
 void decode_one(const float* q, const float* cache, const int32_t* table, int64_t row, int64_t tok,
                 int64_t ctx, int64_t window, float scale, float* out, const Shape& s, int64_t h0,
                 int64_t h1, float* scratch) {
-  const int64_t nq = (h1 - h0) * s.group, D = s.dim, B = s.block_size;
+  const int64_t nq = (h1 - h0) * s.group, D = KD > 0 ? KD : s.dim, B = s.block_size, G = s.group;
+  const int64_t Bp = (B + 7) / 8 * 8;                 // score rows padded to whole vectors
   const int64_t token_stride = s.kv_heads * D;        // one token's row: every kv head
   const int64_t page_stride = 2 * B * token_stride;   // one block: K slab then V slab
   float* qs = scratch;                 // [nq, D] scaled queries
   float* acc = qs + nq * D;            // [nq, D] running weighted value sums
-  float* p = acc + nq * D;             // [nq, B] this page's scores, then weights
-  float* m = p + nq * B;               // [nq] running max
+  float* p = acc + nq * D;             // [nq, Bp] this page's scores, then weights
+  float* m = p + nq * Bp;              // [nq] running max
   float* l = m + nq;                   // [nq] running sum of weights
   for (int64_t j = 0; j < nq; ++j) {
-    const float* src = q + tok * s.q_tok + (h0 * s.group + j) * s.q_head;
+    const float* src = q + tok * s.q_tok + (h0 * G + j) * s.q_head;
     for (int64_t d = 0; d < D; ++d) qs[j * D + d] = src[d] * scale;
     std::fill(acc + j * D, acc + (j + 1) * D, 0.f);
     m[j] = -std::numeric_limits<float>::infinity();
     l[j] = 0.f;
   }
   const int64_t start = window > 0 ? std::max<int64_t>(ctx - window, 0) : 0;
+  const int64_t last = (ctx - 1) / B;
   const int32_t* bt = table + row * s.bt_row;
-  for (int64_t page = start / B; page * B < ctx; ++page) {
-    const int64_t block = bt[page * s.bt_col];
+  int64_t block = bt[(start / B) * s.bt_col];
+  for (int64_t page = start / B; page <= last; ++page) {
     TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode: block id ", block, " out of range");
-    const float* kpage = cache + block * page_stride;
+    const float* kpage = cache + block * page_stride + h0 * D;
     const float* vpage = kpage + B * token_stride;
+    // Pages are scattered, so the hardware prefetcher restarts at each one: each head's pass
+    // over this page prefetches that head's rows of the next page (K during the K pass, V
+    // during the V pass), which spreads the prefetches over the page's work.
+    const int64_t next = page < last ? bt[(page + 1) * s.bt_col] : -1;
+    const float* knext = next >= 0 && next < s.num_blocks ? cache + next * page_stride + h0 * D : nullptr;
     const int64_t t0 = std::max(start - page * B, int64_t(0));
     const int64_t t1 = std::min(ctx - page * B, B);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* krow = kpage + t * token_stride + h0 * D;
-      for (int64_t h = 0; h < h1 - h0; ++h) {
-        for (int64_t g = 0; g < s.group; ++g) {
-          const int64_t j = h * s.group + g;
-          p[j * B + t] = dot(qs + j * D, krow + h * D, D);
-        }
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      if (knext) prefetch_rows(knext + h * D, token_stride, B, D);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = h * G + g;
+        head_scores<KD>(qs + j * D, kpage + h * D, token_stride, t0, t1, D, p + j * Bp);
       }
     }
     for (int64_t j = 0; j < nq; ++j) {
-      float* pj = p + j * B;
+      float* pj = p + j * Bp;
       float mx = m[j];
       for (int64_t t = t0; t < t1; ++t) mx = std::max(mx, pj[t]);
       if (mx > m[j]) {   // rescale what was accumulated under the old max (exp(-inf) = 0 at first)
@@ -92,25 +224,28 @@ void decode_one(const float* q, const float* cache, const int32_t* table, int64_
         for (int64_t d = 0; d < D; ++d) acc[j * D + d] *= c;
         m[j] = mx;
       }
-      float sum = 0.f;
-      for (int64_t t = t0; t < t1; ++t) {
-        pj[t] = std::exp(pj[t] - mx);
-        sum += pj[t];
+      const vf mv = splat(mx);
+      vf sum = splat(0.f);
+      for (int64_t t = 0; t < Bp; t += 8) {   // whole vectors; slots outside [t0, t1) are zeroed
+        const vi slot = vi{0, 1, 2, 3, 4, 5, 6, 7} + static_cast<int32_t>(t);
+        const vi live = (slot >= static_cast<int32_t>(t0)) & (slot < static_cast<int32_t>(t1));
+        const vf e = live ? vexp(load(pj + t) - mv) : splat(0.f);
+        store(pj + t, e);
+        sum += e;
       }
-      l[j] += sum;
+      l[j] += hsum(sum);
     }
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* vrow = vpage + t * token_stride + h0 * D;
-      for (int64_t h = 0; h < h1 - h0; ++h) {
-        for (int64_t g = 0; g < s.group; ++g) {
-          const int64_t j = h * s.group + g;
-          axpy(acc + j * D, p[j * B + t], vrow + h * D, D);
-        }
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      if (knext) prefetch_rows(knext + B * token_stride + h * D, token_stride, B, D);
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t j = h * G + g;
+        head_values<KD>(acc + j * D, p + j * Bp, vpage + h * D, token_stride, t0, t1, D);
       }
     }
+    block = next;
   }
   for (int64_t j = 0; j < nq; ++j) {
-    float* dst = out + tok * s.o_tok + (h0 * s.group + j) * s.o_head;
+    float* dst = out + tok * s.o_tok + (h0 * G + j) * s.o_head;
     const float inv = 1.f / l[j];
     for (int64_t d = 0; d < D; ++d) dst[d] = acc[j * D + d] * inv;
   }
@@ -168,10 +303,12 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const int64_t heads_per_item = s.kv_heads / split;
   const float sc = static_cast<float>(scale);
   at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch(heads_per_item * s.group * (2 * s.dim + s.block_size + 2));
+    std::vector<float> scratch(heads_per_item * s.group * (2 * s.dim + s.block_size + 10));
+    auto* fn = s.dim == 16 ? decode_one<16> : s.dim == 32 ? decode_one<32> : s.dim == 64 ? decode_one<64>
+             : s.dim == 128 ? decode_one<128> : decode_one<0>;   // other dims: runtime loops
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / split, h0 = (item % split) * heads_per_item;
-      decode_one(qp, cp, bp, rp[i], tp[i], lp[i], window, sc, op, s, h0, h0 + heads_per_item, scratch.data());
+      fn(qp, cp, bp, rp[i], tp[i], lp[i], window, sc, op, s, h0, h0 + heads_per_item, scratch.data());
     }
   });
 }

@@ -1,0 +1,126 @@
+"""Per-layer CPU decode attention: the C++ kernel vs the sparse path vs the padded path.
+
+    python -m bench.cpu_attention [--decodes 64,256] [--threads 1,2] [--reps 15]
+        [--heads 8] [--kv-heads 8] [--head-dim 32] [--ctx 190] [--window W]
+
+The batch is what the tiny Llama of `bench.throughput` sees in steady decode: N requests of
+~`--ctx` tokens (uniform in ctx +- 40), 16-token pages in shuffled blocks of one float32
+layer cache. Each path is timed on the same batch, interleaved rep by rep (the machine is
+shared and noisy), medians printed with ratios to the kernel:
+- kernel: `cpu_ops.paged_decode` (attention/cpu_kernels/paged_decode.cpp);
+- sparse: the torch backend's `sampled_addmm` + softmax + `embedding_bag` decode path;
+- padded: page gather + padded SDPA (`_make_part` planned once, as the backend does).
+Per-step planning is shown apart (`plan`: once per step per KV group, shared by layers):
+the sparse path also builds its CSR pattern once per step (`pattern`).
+The K/V write of `forward` is the same for every path and left out.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from attention import BatchLayout, cpu_ops, get_backend
+from attention.torch_backend import _decode_pattern, _make_part
+
+
+def make_batch(n, heads, kv_heads, dim, ctx, window, bs=16, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(max(ctx - 40, 1), ctx + 41, size=n)
+    pages = -(-lens // bs)
+    num_blocks = int(pages.sum()) + 1
+    perm = rng.permutation(num_blocks - 1) + 1
+    table = np.zeros((n, int(pages.max())), dtype=np.int32)
+    first = np.concatenate(([0], np.cumsum(pages)))
+    for i in range(n):
+        table[i, :pages[i]] = perm[first[i]:first[i + 1]]
+    pos = lens - 1
+    slots = table[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
+    layout = BatchLayout(query_start_loc=np.arange(n + 1), seq_lens=lens, block_table=torch.from_numpy(table),
+                         slot_mapping=torch.from_numpy(slots), block_size=bs, sliding_window=window)
+    gen = torch.Generator().manual_seed(seed)
+    cache = torch.randn(num_blocks, 2, bs, kv_heads, dim, generator=gen)
+    q = torch.randn(n, heads, dim, generator=gen)
+    return layout, cache, q
+
+
+def _median_ms(fn, reps):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def run(n, threads, args):
+    torch.set_num_threads(threads)
+    layout, cache, q = make_batch(n, args.heads, args.kv_heads, args.head_dim, args.ctx, args.window)
+    backend = get_backend("torch")
+    scale = args.head_dim ** -0.5
+    cpu = torch.device("cpu")
+    os.environ["ZOOINFER_CPU_KERNELS"] = "1"
+    meta = backend.plan(layout, cpu)
+    table, rows, seq_lens, window = meta.decodes.kernel
+    os.environ["ZOOINFER_CPU_KERNELS"] = "0"
+    sparse_meta = backend.plan(layout, cpu)
+    part = _make_part(layout, np.arange(n), cpu)
+    outs = {name: torch.empty_like(q) for name in ("kernel", "sparse", "padded")}
+    paths = {
+        "kernel": lambda: cpu_ops.paged_decode(q, cache, table, rows, meta.decodes.token_index, seq_lens,
+                                               window, scale, outs["kernel"]),
+        "sparse": lambda: backend._decode(q, cache, sparse_meta.decodes, scale, outs["sparse"]),
+        "padded": lambda: backend._padded(q, cache, part, scale, outs["padded"]),
+    }
+    for fn in paths.values():   # warm up (the sparse path builds its pattern here)
+        fn()
+    torch.testing.assert_close(outs["kernel"], outs["sparse"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["kernel"], outs["padded"], rtol=1e-5, atol=1e-5)
+    samples = {name: [] for name in paths}
+    for _ in range(args.reps):  # interleaved: each rep times every path back to back
+        for name, fn in paths.items():
+            samples[name].append(_median_ms(fn, 3))
+    ms = {name: statistics.median(v) for name, v in samples.items()}
+    os.environ["ZOOINFER_CPU_KERNELS"] = "1"
+    plan_kernel = _median_ms(lambda: backend.plan(layout, cpu), args.reps)
+    os.environ["ZOOINFER_CPU_KERNELS"] = "0"
+    plan_sparse = _median_ms(lambda: backend.plan(layout, cpu), args.reps)
+    d = sparse_meta.decodes
+    pattern = _median_ms(lambda: _decode_pattern(d, args.heads, args.kv_heads, 16, cache.view(-1, args.head_dim).shape[0],
+                                                 cpu), args.reps)
+    kv_mb = float(seq_lens.sum()) * 2 * args.kv_heads * args.head_dim * 4 / 1e6
+    print(f"{n:>5} {threads:>3} | kernel {ms['kernel']:7.3f} ms ({kv_mb / ms['kernel']:5.1f} GB/s) | "
+          f"sparse {ms['sparse']:7.3f} ({ms['sparse'] / ms['kernel']:5.2f}x) | "
+          f"padded {ms['padded']:7.3f} ({ms['padded'] / ms['kernel']:5.2f}x) | "
+          f"plan/step {plan_kernel:.3f} vs {plan_sparse:.3f} + pattern {pattern:.3f}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--decodes", default="64,256")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=190)
+    ap.add_argument("--window", type=int, default=None)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    if not cpu_ops.available():
+        raise SystemExit("the C++ CPU kernels are unavailable (ZOOINFER_CPU_KERNELS=0 or the build failed)")
+    print(f"kernel library ready in {time.perf_counter() - t0:.1f} s (build or cached load); torch {torch.__version__}")
+    print(f"heads {args.heads}/{args.kv_heads} dim {args.head_dim} ctx ~{args.ctx} window {args.window}; "
+          f"median ms per layer call, ratio = path / kernel; GB/s = K+V bytes in context / kernel time")
+    print("decodes thr |")
+    for n in (int(x) for x in args.decodes.split(",")):
+        for threads in (int(x) for x in args.threads.split(",")):
+            run(n, threads, args)
+
+
+if __name__ == "__main__":
+    main()
