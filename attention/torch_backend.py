@@ -124,7 +124,7 @@ def _make_decodes(layout: BatchLayout, rows: np.ndarray, device: torch.device) -
 
 
 def _decode_pattern(d: _Decodes, num_heads: int, num_kv_heads: int, block_size: int, num_rows: int,
-                    device: torch.device) -> _DecodePattern:
+                    device: torch.device, dtype: torch.dtype = torch.float32) -> _DecodePattern:
     """CSR scores pattern over the cache seen as `[num_rows, head_dim]`: row i * H + h is
     query head h of decode i, its columns are the key rows of that request's KV head (one
     request's heads next to each other, so its pages stay in cache across its heads)."""
@@ -138,7 +138,7 @@ def _decode_pattern(d: _Decodes, num_heads: int, num_kv_heads: int, block_size: 
     crow_t, key_rows_t = torch.from_numpy(crow).to(device), torch.from_numpy(key_rows).to(device)
     with warnings.catch_warnings():   # "sparse CSR support is in beta": the two kernels used here are not
         warnings.simplefilter("ignore")
-        pattern = torch.sparse_csr_tensor(crow_t, key_rows_t, torch.zeros(len(key_rows), device=device),
+        pattern = torch.sparse_csr_tensor(crow_t, key_rows_t, torch.zeros(len(key_rows), device=device, dtype=dtype),
                                           size=(num_heads * n, num_rows), check_invariants=False)
     return _DecodePattern(scores=pattern, value_rows=key_rows_t + block_size * num_kv_heads,
                           offsets=crow_t[:-1], dense_pos=torch.from_numpy(dense_pos).to(device),
@@ -200,9 +200,9 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         rows = kv_cache.view(-1, head_dim)
-        key = (num_heads, num_kv_heads)
+        key = (num_heads, num_kv_heads, q.dtype)
         if key not in d.patterns:
-            d.patterns[key] = _decode_pattern(d, num_heads, num_kv_heads, block_size, rows.shape[0], q.device)
+            d.patterns[key] = _decode_pattern(d, num_heads, num_kv_heads, block_size, rows.shape[0], q.device, q.dtype)
         pat = d.patterns[key]
         n = d.token_index.shape[0]
         queries = q.index_select(0, d.token_index).reshape(num_heads * n, head_dim)
