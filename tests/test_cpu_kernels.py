@@ -4,6 +4,7 @@ kernel on and off. The first test in a fresh cache dir pays the one-time JIT bui
 from __future__ import annotations
 
 import shutil
+import warnings
 
 import numpy as np
 import pytest
@@ -145,6 +146,23 @@ def test_bad_inputs_raise_one_line():
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.paged_decode(q.double(), cache.double(), table, rows, tok, torch.tensor([20]), None, 1.0,
                              out.double())
+
+
+def test_build_failure_warns_once_and_falls_back(monkeypatch):
+    """No compiler: one warning, `available()` False from then on, the backend plans the
+    sparse path; the env switch turns the kernels off without building."""
+    monkeypatch.setattr(cpu_ops, "_state", {})           # as if this process had not built yet
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    with pytest.warns(RuntimeWarning, match="unavailable, using the torch fallback: no C\\+\\+ compiler"):
+        assert not cpu_ops.available()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                    # no second warning
+        assert not cpu_ops.available()
+        layout, _, _ = _batch(4, 2, 16, [20, 3], window=None)
+        assert get_backend("torch").plan(layout, torch.device("cpu")).decodes.kernel is None
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "0")
+    assert not cpu_ops.available() and cpu_ops._state == {}
 
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 23, 40, 1)]
