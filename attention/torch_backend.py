@@ -8,8 +8,9 @@ per step into
   decodes; `ZOOINFER_CPU_KERNELS=0` turns it off); otherwise the sparse path: every key of
   every request is a row of the cache seen as `[rows, head_dim]`, so the scores are a
   sampled dense-dense product (`torch.sparse.sampled_addmm`) over a CSR pattern with one row
-  per (head, request) and the request's key rows as columns, and the value sum is a weighted `embedding_bag` over the matching value rows. Each byte of K and V
-  in context is read once; the gather + padded-SDPA path read it three times plus padding.
+  per (head, request) and the request's key rows as columns, and the value sum is a
+  weighted `embedding_bag` over the matching value rows. Each byte of K and V in context is
+  read once; the gather + padded-SDPA path read it three times plus padding.
 - the rest (prefill chunks, several tokens after a preemption, and decodes where the sparse
   kernels do not apply: other devices, half precision): K and V pages gathered once each,
   then one batched SDPA with queries padded to the longest chunk and a causal-by-position
