@@ -124,8 +124,9 @@ class Ours:
     name = "ours"
 
     def __init__(self, path: Path, max_model_len: int | None, prefix_caching: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, name: str = "ours"):
         from runtime import LLM, SamplingParams
+        self.name = name
         kwargs = dict(max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
                       enable_prefix_caching=prefix_caching, compile=compile)
         if max_model_len:
@@ -261,7 +262,7 @@ def profile_ours(ours: Ours, prompts, new_tokens: int, seconds: float, top: int 
     return f"cProfile of ours: {runs} run(s), {time.perf_counter() - t0:.1f} s\n" + buf.getvalue()
 
 
-IN_PROCESS = ("ours", "hf", "hf-cb")
+IN_PROCESS = ("ours", "ours-compiled", "hf", "hf-cb")
 
 
 def choose_engines(engines_arg: str | None, peers_arg: str | None) -> list[str]:
@@ -296,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="cap our engine's max_model_len (default: the model's)")
     ap.add_argument("--engines", default=None, help="exact comma list, e.g. ours,hf,vllm")
     ap.add_argument("--peers", default=None,
-                    help="comma list run beside ours: hf,hf-cb,vllm,openvino,llamacpp,ct2 "
+                    help="comma list run beside ours: ours-compiled,hf,hf-cb,vllm,openvino,llamacpp,ct2 "
                          "(default: hf and every installed venv peer)")
     ap.add_argument("--prefix-caching", action="store_true", help="leave our prefix caching on")
     ap.add_argument("--compile", action="store_true", help="torch.compile our model")
@@ -333,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "ours":
                     eng = Ours(path, args.max_model_len, args.prefix_caching, args.compile)
                     versions[name] = "zooinfer" + (" compiled" if args.compile else " eager")
+                elif name == "ours-compiled":   # beside eager "ours" in the same run
+                    eng = Ours(path, args.max_model_len, args.prefix_caching, True, name=name)
+                    versions[name] = "zooinfer compiled"
                 elif name == "hf":
                     eng = HF(hf_dir, args.hf_batch)
                     versions[name] = f"transformers {__import__('transformers').__version__} batch {args.hf_batch}"
