@@ -120,15 +120,16 @@ class Scheduler:
             self.held_waiting.add(child.request_id)
         self.waiting.appendleft(child)
 
-    def _reclaim_held_waiting(self) -> bool:
-        """Free the blocks of waiting forks (they recompute, likely from the prefix cache);
-        True if any were held."""
-        if not self.held_waiting:
+    def _reclaim_held_waiting(self, keep: str | None = None) -> bool:
+        """Free the blocks of waiting forks other than `keep` (they recompute, likely from
+        the prefix cache); True if any were held."""
+        victims = self.held_waiting - {keep}
+        if not victims:
             return False
-        for rid in self.held_waiting:
+        for rid in victims:
             self.kv.free(rid)
             self.requests[rid].num_computed_tokens = 0
-        self.held_waiting = set()
+        self.held_waiting -= victims
         return True
 
     def finish_requests(self, request_ids, status: RequestStatus) -> None:
@@ -217,7 +218,7 @@ class Scheduler:
                 if hit:   # give the hit blocks back; the request retries from scratch later
                     self.kv.free(req.request_id)
                     req.num_computed_tokens = 0
-                if req.request_id not in self.held_waiting and self._reclaim_held_waiting():
+                if self._reclaim_held_waiting(keep=req.request_id):
                     continue
                 break
             if looked_up:
