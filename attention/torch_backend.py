@@ -52,12 +52,13 @@ class _Decodes:
     its value is `block_size` slabs further on. The grid is padded to the longest request,
     `valid` says which entries are real. The per-head CSR pattern depends on the layer's
     head counts, so the first layer that runs builds it and the group's other layers reuse
-    it (`patterns`)."""
+    it (`patterns`). The grid is built on first use (`build_grid`): the C++ kernel needs none."""
     token_index: torch.Tensor   # [n] flat token index of each decode
-    token_row: np.ndarray       # [n, max keys] int64
-    valid: np.ndarray           # [n, max keys] bool
-    key_lens: np.ndarray        # [n] int64 keys each request attends to
     rows: np.ndarray            # [n] batch rows, for the padded fallback
+    layout: BatchLayout
+    token_row: np.ndarray | None = None   # [n, max keys] int64
+    valid: np.ndarray | None = None       # [n, max keys] bool
+    key_lens: np.ndarray | None = None    # [n] int64 keys each request attends to
     patterns: dict = field(default_factory=dict)
     fallback: _Part | None = None
     kernel: tuple | None = None  # (block_table, rows, seq_lens, window) for the C++ kernel, when built
@@ -112,18 +113,18 @@ def _make_part(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _
     )
 
 
-def _make_decodes(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _Decodes:
+def _build_grid(d: _Decodes) -> None:
     """Every decode's key slab rows, on a grid padded to the longest request."""
+    layout, rows = d.layout, d.rows
     bs, window = layout.block_size, layout.sliding_window
     ctx = layout.seq_lens[rows].astype(np.int64)
     start = np.zeros_like(ctx) if window is None else np.maximum(ctx - window, 0)
-    key_lens = ctx - start
-    j = np.arange(int(key_lens.max()), dtype=np.int64)
+    d.key_lens = ctx - start
+    j = np.arange(int(d.key_lens.max()), dtype=np.int64)
     pos = np.minimum(start[:, None] + j[None, :], ctx[:, None] - 1)      # pads repeat the last key
     block = layout.block_table.numpy()[rows[:, None], pos // bs].astype(np.int64)
-    return _Decodes(token_index=torch.from_numpy(layout.query_start_loc[rows].astype(np.int64)).to(device),
-                    token_row=block * (2 * bs) + pos % bs, valid=j[None, :] < key_lens[:, None],
-                    key_lens=key_lens, rows=rows)
+    d.token_row = block * (2 * bs) + pos % bs
+    d.valid = j[None, :] < d.key_lens[:, None]
 
 
 def _decode_pattern(d: _Decodes, num_heads: int, num_kv_heads: int, block_size: int, num_rows: int,
@@ -131,6 +132,8 @@ def _decode_pattern(d: _Decodes, num_heads: int, num_kv_heads: int, block_size: 
     """CSR scores pattern over the cache seen as `[num_rows, head_dim]`: row i * H + h is
     query head h of decode i, its columns are the key rows of that request's KV head (one
     request's heads next to each other, so its pages stay in cache across its heads)."""
+    if d.token_row is None:
+        _build_grid(d)
     n, max_keys = d.token_row.shape
     head_kv = np.arange(num_heads) // (num_heads // num_kv_heads)
     grid = d.token_row[:, None, :] * num_kv_heads + head_kv[None, :, None]          # [n, H, max keys]
@@ -162,7 +165,8 @@ class TorchAttentionBackend(AttentionBackend):
         kv_rows = torch.from_numpy(slots + (slots // bs) * bs)   # block * 2B + offset: K of the token
         decodes = None
         if len(decode) and device.type == "cpu":
-            decodes = _make_decodes(layout, decode, device)
+            decodes = _Decodes(token_index=torch.from_numpy(layout.query_start_loc[decode].astype(np.int64)).to(device),
+                               rows=decode, layout=layout)
             if cpu_ops.available():   # float32 decodes then run in attention/cpu_kernels (one pass over the pages)
                 decodes.kernel = (layout.block_table, torch.from_numpy(decode.astype(np.int64)),
                                   torch.from_numpy(layout.seq_lens[decode].astype(np.int64)), layout.sliding_window)
