@@ -72,6 +72,7 @@ class Scheduler:
         # Waiting requests that already hold blocks (fresh forks); reclaimed first when the
         # pool runs dry, so they never block the head of the queue.
         self.held_waiting: set[str] = set()
+        self.no_hit: set[str] = set()     # admit without a prefix hit next time (see schedule)
         self.beam_groups: dict[str, BeamSearchGroup] = {}      # beam request id -> its group
         self._replaced_tokens: dict[str, int] = {}
 
@@ -153,6 +154,7 @@ class Scheduler:
         rid = req.request_id
         self.kv.free(rid)
         self.held_waiting.discard(rid)
+        self.no_hit.discard(rid)
         self._replaced_tokens.pop(rid, None)
         self._finished_since_last_step.add(rid)
         del self.requests[rid]
@@ -206,7 +208,7 @@ class Scheduler:
                 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit, looked_up = 0, False
-            if self.kv.enable_caching and req.num_computed_tokens == 0:
+            if self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit:
                 looked_up = True
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
                 hit = self.kv.reuse_prefix(req.request_id, req.block_hashes, req.num_tokens)
@@ -218,6 +220,9 @@ class Scheduler:
                 if hit:   # give the hit blocks back; the request retries from scratch later
                     self.kv.free(req.request_id)
                     req.num_computed_tokens = 0
+                    # A hit pins its checkpoint pages for the step: a request that only fits
+                    # the pool without them would otherwise retry the same hit forever.
+                    self.no_hit.add(req.request_id)
                 if self._reclaim_held_waiting(keep=req.request_id):
                     continue
                 break
@@ -225,6 +230,7 @@ class Scheduler:
                 self.kv.record_lookup(req.num_tokens, hit)
             self.waiting.popleft()
             self.held_waiting.discard(req.request_id)
+            self.no_hit.discard(req.request_id)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             out.new_reqs.append(NewRequestData(

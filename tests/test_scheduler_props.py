@@ -550,3 +550,26 @@ def test_sizing_counts_every_group():
     with pytest.raises(ValueError, match="cannot hold one request of 20 tokens"):
         make_kv_cache_config(specs, BLOCK_SIZE, num_blocks=6, min_tokens=20)
 
+
+
+def test_hit_that_cannot_fit_falls_back_to_recompute():
+    """A state hybrid's prefix hit pins its checkpoint pages for the step. A request that
+    only fits the pool without them must be admitted without the hit next step, not retry
+    the same hit forever (it used to leave the engine idle with the request waiting)."""
+    sched = make_scheduler(num_blocks=13, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=40,
+                           caching=True, state_pages=2)          # 12 usable; a 40-token request takes 12
+    runner = FakeRunner()
+    prompt = list(range(3, 33))
+    first = Request("r0", prompt, SamplingParams(temperature=0, max_tokens=1), eos_token_ids=(), max_tokens=1)
+    sched.add_request(first)
+    _run_to_completion(sched, runner)
+    assert sched.kv.stats()["cached_blocks"] >= 7 + 2           # 7 full blocks and a 2-page checkpoint
+    # 40 tokens: 10 blocks + 2 state pages. The hit (7 blocks) leaves 1 free block once its 2
+    # checkpoint pages are pinned, and its first chunk (to the checkpoint at 36) needs 2.
+    second = Request("r1", prompt + list(range(40, 49)), SamplingParams(temperature=0, max_tokens=1),
+                     eos_token_ids=(), max_tokens=1)
+    sched.add_request(second)
+    steps = _run_to_completion(sched, runner, max_steps=20)
+    assert second.status == RequestStatus.FINISHED_LENGTH and second.num_output_tokens == 1
+    assert steps <= 3
+    assert sched.kv.num_free_blocks() == 12
