@@ -314,11 +314,6 @@ class KVCacheManager:
         self._pins_pending = {}
         return loads, saves
 
-    def num_pinned(self, block: KVCacheBlock) -> int:
-        """References held by fork copies not yet run (not by any request)."""
-        pins = self._pins_in_flight + [b for bl in self._pins_pending.values() for b in bl]
-        return sum(b is block for b in pins)
-
     def finish_step(self) -> None:
         """After the runner ran the copies taken this step: release their pins."""
         for m in self.state_managers:
