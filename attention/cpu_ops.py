@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).parent / "cpu_kernels" / "paged_decode.cpp"
+_SOURCES = Path(__file__).parent / "cpu_kernels"   # every *.cpp there is one library, op namespace zooinfer_cpu
 _lock = threading.Lock()
 _state: dict = {}          # "ok": bool once a build was attempted; "seconds": build/load time
 
@@ -66,7 +66,8 @@ def _build() -> None:
         build_dir = _build_root() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            cpp_extension.load(name=name, sources=[str(_SOURCE)], build_directory=str(build_dir),
+            cpp_extension.load(name=name, sources=sorted(str(f) for f in _SOURCES.glob("*.cpp")),
+                               build_directory=str(build_dir),
                                extra_cflags=["-O3", "-fopenmp", *arch], extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=False)
             return

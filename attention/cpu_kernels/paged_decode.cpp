@@ -315,7 +315,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
 
 }  // namespace
 
-TORCH_LIBRARY(zooinfer_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor rows, Tensor token_index, "
         "Tensor seq_lens, int window, float scale, Tensor(a!) out) -> ()");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
