@@ -15,11 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zooinfer::state_update)
+from models import fused
 from models.spec import ATTENTION_KINDS, ModelSpec, RopeSpec
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm in float32; multiplies by (offset + weight) so Gemma's `1 + w` is offset=1."""
+    """RMSNorm in float32; multiplies by (offset + weight) so Gemma's `1 + w` is offset=1.
+    In eager mode on fp32 CPU tensors it runs as one fused kernel (models/fused.py)."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()
@@ -28,11 +30,22 @@ class RMSNorm(nn.Module):
         self.offset = offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.use_kernel(x, self.weight):
+            return fused.rms_norm(x, self.weight, self.eps, self.offset)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         weight = self.weight.float() + self.offset if self.offset else self.weight.float()
         return (weight * x).to(dtype) if self.offset else weight.to(dtype) * x.to(dtype)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor,
+                    multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add and this norm in one pass: residual = residual + x * multiplier,
+        returns (norm(residual), residual). Neither input is modified."""
+        if fused.use_kernel(x, residual, self.weight):
+            return fused.add_rms_norm(x, residual, self.weight, self.eps, self.offset, multiplier)
+        residual = residual + x * multiplier if multiplier != 1.0 else residual + x
+        return self(residual), residual
 
 
 def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
@@ -79,6 +92,8 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        if self.rotary_dim and fused.use_kernel(q, k, self.cos):
+            return fused.rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)   # [tokens, 1, rotary_dim/2]
         sin = self.sin[positions].unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -141,9 +156,13 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * m.intermediate_size, bias=m.bias)
         self.down_proj = nn.Linear(m.intermediate_size, spec.hidden_size, bias=m.bias)
         self.act = _ACTIVATIONS[m.activation]
+        self.activation = m.activation if m.activation in fused.ACTIVATIONS else None   # has a fused kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.activation is not None and fused.use_kernel(gate_up):
+            return self.down_proj(fused.act_mul(gate_up, self.activation))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
 
@@ -177,7 +196,9 @@ class DecoderLayer(nn.Module):
     """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)), where the mixer is
     attention (full or sliding) or a state layer (mamba2, gated_deltanet). With sandwich
     norms (Gemma 2/3) each sub-block's output is normed too before the residual add:
-    x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x)))."""
+    x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x))).
+    Each residual add in the middle of the block runs fused with the norm that follows it
+    (`RMSNorm.add_forward`), vLLM style."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, kind: str = "full_attention"):
         super().__init__()
@@ -214,12 +235,10 @@ class DecoderLayer(nn.Module):
         return run_state_mixer(self.mixer, self.layer_id, h, cache)
 
     def forward(self, positions, x, kv_cache):
+        h = self._mix(positions, self.input_layernorm(x), kv_cache)
         if self.sandwich:
-            x = x + self.post_attention_layernorm(self._mix(positions, self.input_layernorm(x), kv_cache))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            h, x = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), x)
+            return x + self.post_feedforward_layernorm(self.mlp(h))
         m = self.residual_multiplier
-        if m != 1.0:
-            x = x + self._mix(positions, self.input_layernorm(x), kv_cache) * m
-            return x + self.mlp(self.post_attention_layernorm(x)) * m
-        x = x + self._mix(positions, self.input_layernorm(x), kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h, x = self.post_attention_layernorm.add_forward(h, x, m)
+        return x + self.mlp(h) * m if m != 1.0 else x + self.mlp(h)
