@@ -22,6 +22,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True      # hits need every KV cache group (not state layers yet)
     cuda_graphs: bool = False               # replay captured decode steps (device='cuda', flashinfer)
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
+    prepack_weights: bool = True            # CPU float32 linears run on MKL-packed weights (models/prepack.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):
@@ -34,6 +35,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
         if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, (str, os.PathLike)):
             raise ValueError(f"compile_cache_dir must be a path, got {self.compile_cache_dir!r}")
+        if not isinstance(self.prepack_weights, bool):
+            raise ValueError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
         if self.cuda_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={self.device!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

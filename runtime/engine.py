@@ -19,6 +19,7 @@ import torch
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
 from models import build_model, load_weights, resolve_spec
+from models.prepack import prepack_linears
 from models.builder import DTYPES
 from models.loader import checkpoint_dir
 from runtime.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
@@ -70,6 +71,11 @@ class Engine:
         self.model = build_model(spec, config.device, dtype)
         load_weights(self.model, spec)
         phase("weights")
+        if config.prepack_weights:   # only CPU float32 linears qualify; a no-op elsewhere
+            packed = prepack_linears(self.model)
+            if packed:
+                phase("prepack")
+                log.info("packed %d linear weights for MKL in %.2f s", packed, self.startup_seconds["prepack"])
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         eos = list(spec.eos_token_ids)

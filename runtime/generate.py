@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="torch", help="torch (default), triton or flashinfer")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
+    ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of MKL-packed weights")
     ap.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (greedy sampling off)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   compile=args.compile, compile_cache_dir=args.compile_cache_dir,
-                  attention_backend=args.attention_backend, device=args.device, dtype=args.dtype)
+                  attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
+                  prepack_weights=not args.no_prepack_weights)
         print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
         prompts = args.prompt
         tok = llm.get_tokenizer()

@@ -399,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the spec's)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (cuda + flashinfer)")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of MKL-packed weights")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--graceful-timeout", type=float, default=10.0,
                     help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
@@ -417,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                               block_size=args.block_size, compile=args.compile,
                               compile_cache_dir=args.compile_cache_dir, attention_backend=args.attention_backend,
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
-                              enable_prefix_caching=not args.no_prefix_caching)
+                              enable_prefix_caching=not args.no_prefix_caching,
+                              prepack_weights=not args.no_prepack_weights)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
