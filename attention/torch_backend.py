@@ -11,10 +11,15 @@ per step into
   per (head, request) and the request's key rows as columns, and the value sum is a
   weighted `embedding_bag` over the matching value rows. Each byte of K and V in context is
   read once; the gather + padded-SDPA path read it three times plus padding.
-- the rest (prefill chunks, several tokens after a preemption, and decodes where the sparse
-  kernels do not apply: other devices, half precision): K and V pages gathered once each,
-  then one batched SDPA with queries padded to the longest chunk and a causal-by-position
-  mask.
+- the rest (prefill chunks, several tokens after a preemption): on CPU, float32, when the
+  C++ library built, `cpu_ops.paged_prefill`: varlen causal attention straight from the
+  pages, bottom-right aligned (earlier chunks and prefix hits live only in the pages), each
+  query tile reading only the keys it can see (~2-3x faster per layer than the padded path
+  at 64-256-token prompts: no padding to the longest chunk, no masked upper triangle).
+  Otherwise (other devices and dtypes, and decodes where the sparse kernels do not apply:
+  half precision) the padded path: K and V pages gathered once each, then one batched SDPA
+  with queries padded to the longest chunk and a causal-by-position mask; it is planned
+  only when a layer needs it.
 The only Python-level work per layer is a handful of kernel calls; nothing loops over tokens
 or requests. Sliding-window groups read only the keys inside the window.
 """
@@ -65,6 +70,15 @@ class _Decodes:
 
 
 @dataclass(slots=True)
+class _Prefills:
+    """Requests with several query tokens, for the C++ varlen kernel (`cpu_ops.paged_prefill`).
+    The padded part is planned only if a layer cannot use the kernel (dtype, cache layout)."""
+    rows: np.ndarray            # batch rows
+    kernel: tuple               # (block_table, rows, query_start, query_lens, seq_lens, window)
+    fallback: _Part | None = None
+
+
+@dataclass(slots=True)
 class _DecodePattern:
     """One group's decode attention plan for given head counts, shared by its layers."""
     scores: torch.Tensor        # sparse CSR [n * H, cache rows]: row i * H + h = head h of decode i
@@ -80,6 +94,7 @@ class TorchAttentionMetadata:
     kv_rows: torch.Tensor       # [num_tokens] cache slab row of each token's key (value: + block_size)
     parts: list[_Part]
     decodes: _Decodes | None
+    prefills: _Prefills | None
     layout: BatchLayout
     device: torch.device
 
@@ -172,9 +187,16 @@ class TorchAttentionBackend(AttentionBackend):
                                   torch.from_numpy(layout.seq_lens[decode].astype(np.int64)), layout.sliding_window)
         elif len(decode):
             rest = np.concatenate([decode, rest])
-        parts = [_make_part(layout, rest, device)] if len(rest) else []
+        prefills, parts = None, []
+        if len(rest) and device.type == "cpu" and cpu_ops.available():   # the C++ varlen kernel
+            as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
+            prefills = _Prefills(rows=rest, kernel=(layout.block_table, as_long(rest),
+                                                    as_long(layout.query_start_loc[rest]), as_long(q_lens[rest]),
+                                                    as_long(layout.seq_lens[rest]), layout.sliding_window))
+        elif len(rest):
+            parts = [_make_part(layout, rest, device)]
         return TorchAttentionMetadata(slot_mapping=layout.slot_mapping.to(device), kv_rows=kv_rows.to(device),
-                                      parts=parts, decodes=decodes, layout=layout, device=device)
+                                      parts=parts, decodes=decodes, prefills=prefills, layout=layout, device=device)
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
         num_tokens, num_heads, head_dim = q.shape
@@ -198,6 +220,14 @@ class TorchAttentionBackend(AttentionBackend):
                 if d.fallback is None:
                     d.fallback = _make_part(meta.layout, d.rows, meta.device)
                 parts = [d.fallback, *parts]
+        p = meta.prefills
+        if p is not None:
+            if q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and head_dim <= 256:
+                cpu_ops.paged_prefill(q, kv_cache, *p.kernel, scale, out)
+            else:   # planned once per step, by the first layer that needs it
+                if p.fallback is None:
+                    p.fallback = _make_part(meta.layout, p.rows, meta.device)
+                parts = [*parts, p.fallback]
         for part in parts:
             self._padded(q, kv_cache, part, scale, out)
         return out

@@ -171,17 +171,21 @@ PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 23, 40, 1)]
 @pytest.mark.parametrize("spec", ["zoo/smollm2-tiny.yaml", "zoo/mistral-sw-small.yaml"])
 def test_llm_greedy_same_with_kernel_on_and_off(spec, monkeypatch):
     """Whole engine, greedy, 30 tokens: decodes cross page boundaries, and mistral-sw-small's
-    24-token window frees pages (null block in the table) while decoding."""
-    calls = []
-    kernel = cpu_ops.paged_decode
-    monkeypatch.setattr(cpu_ops, "paged_decode", lambda *a: calls.append(1) or kernel(*a))
-    llm = LLM(spec, max_model_len=128)
+    24-token window frees pages (null block in the table) while decoding. Prompts run through
+    the prefill kernel, in one step or (max_num_batched_tokens=16) in chunks that continue
+    from keys in the pages."""
+    calls = {"paged_decode": [], "paged_prefill": []}
+    for name in calls:
+        kernel = getattr(cpu_ops, name)
+        monkeypatch.setattr(cpu_ops, name, lambda *a, _k=kernel, _c=calls[name]: _c.append(1) or _k(*a))
     params = SamplingParams(temperature=0, max_tokens=30)
     tokens = {}
-    for env in ("1", "0"):
-        monkeypatch.setenv("ZOOINFER_CPU_KERNELS", env)
-        before = len(calls)
-        tokens[env] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-        assert (len(calls) > before) == (env == "1")
-    assert tokens["1"] == tokens["0"]
-    assert len({t for toks in tokens["0"] for t in toks}) > 5     # the model does not collapse to one token
+    for budget in (2048, 16):
+        llm = LLM(spec, max_model_len=128, max_num_batched_tokens=budget)
+        for env in ("1", "0"):
+            monkeypatch.setenv("ZOOINFER_CPU_KERNELS", env)
+            before = {name: len(c) for name, c in calls.items()}
+            tokens[env, budget] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            assert all((len(c) > before[name]) == (env == "1") for name, c in calls.items())
+    assert tokens["1", 2048] == tokens["0", 2048] == tokens["1", 16] == tokens["0", 16]
+    assert len({t for toks in tokens["0", 2048] for t in toks}) > 5     # the model does not collapse to one token

@@ -1,0 +1,346 @@
+// Paged varlen causal attention on CPU for prefill chunks (several query tokens per request),
+// keys and values read in place from the block-major paged cache
+// [num_blocks, 2 (K|V), block_size, num_kv_heads, head_dim].
+//
+// Why a kernel: the torch fallback gathers every request's pages, pads the queries to the
+// longest chunk and runs one masked SDPA over [requests, heads, max_q, max_keys]: with chunks
+// of 64-256 tokens most of that grid is padding or the masked upper triangle. Here a work
+// item is (request, kv head, tile of ~64 query rows): the query rows of the tile (tokens x
+// the GQA group's query heads, which share every K/V row) attend, flash-style, to exactly the
+// keys some row of the tile can see: positions [window start of the tile's first token,
+// position of its last token], bottom-right aligned (a chunk continuation or prefix hit has
+// ctx - q_len earlier keys that live only in the pages). Keys are taken 2 vectors (32 on
+// AVX-512) at a time: K transposed into a scratch tile so the scores are register-blocked
+// broadcast-FMAs (8 rows x 32 keys), V copied contiguous for the weighted sum; softmax is
+// online (running max and sum per row) in fp32. Rows of a block skip key chunks wholly above
+// their diagonal or below their window; pages outside the window are never read (their
+// table slots may point at the null block). Items are handed out longest-first from an
+// atomic counter, so two threads stay balanced whatever the mix of chunk lengths.
+//
+// Registered as a plain dispatcher op (no pybind), like paged_decode.cpp.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#ifdef __AVX512F__
+#define ZOO_PF_VW 16     // floats per vector register
+#else
+#define ZOO_PF_VW 8      // AVX2 (or two SSE registers)
+#endif
+constexpr int VW = ZOO_PF_VW;
+constexpr int KC = 2 * VW;             // keys per chunk: two vectors of scores per row
+constexpr int RB = VW == 16 ? 8 : 4;   // query rows per score block (RB * 2 accumulators)
+constexpr int ACC = VW == 16 ? 16 : 8; // accumulator registers for the value sum
+constexpr int64_t TILE_ROWS = 64;      // query rows (tokens x group heads) per work item
+
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
+inline vf load(const float* p) {
+  vf v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+inline vf splat(float x) { return vf{} + x; }
+inline vi iota() {
+  vi v;
+  for (int i = 0; i < VW; ++i) v[i] = i;
+  return v;
+}
+// Horizontal max and sum as log2(VW) halving steps (not a lane-by-lane scalar chain).
+template <typename Op>
+inline float reduce(vf v, Op op) {
+#if ZOO_PF_VW == 16
+  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#else
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+#endif
+  return v[0];
+}
+inline float hmax(vf v) {
+  return reduce(v, [](vf a, vf b) { return a > b ? a : b; });
+}
+inline float hsum(vf v) {
+  return reduce(v, [](vf a, vf b) { return a + b; });
+}
+
+// exp for x <= 0 (scores minus their running max), Cephes-style as in paged_decode.cpp;
+// x below -87 (incl. -inf) gives exactly 0.
+inline vf vexp(vf x) {
+  const vf lo = splat(-87.f);
+  const vi dead = x < lo;
+  x = dead ? lo : x;
+  vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
+  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+  n = n > fx ? n - splat(1.f) : n;   // floor
+  const vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  vf y = splat(1.9875691500e-4f);
+  y = y * r + splat(1.3981999507e-3f);
+  y = y * r + splat(8.3334519073e-3f);
+  y = y * r + splat(4.1665795894e-2f);
+  y = y * r + splat(1.6666665459e-1f);
+  y = y * r + splat(5.0000001201e-1f);
+  y = y * (r * r) + r + splat(1.f);
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  __builtin_memcpy(&scale, &bits, sizeof scale);
+  y = y * scale;
+  return dead ? splat(0.f) : y;
+}
+
+struct Shape {
+  int64_t heads, kv_heads, group, dim, block_size, num_blocks;
+  int64_t q_tok, q_head, o_tok, o_head;   // strides (elements) of q and out; last dim contiguous
+  int64_t bt_row, bt_col;                 // strides of the block table
+  int64_t window;
+  float scale;
+};
+
+// One work item: query tokens [t0, t1) (offsets in the request's chunk) of request `req`,
+// against kv head `kvh`.
+struct Item {
+  int64_t req, kvh, t0, t1, cost;
+};
+
+// Per-thread scratch; DP = head dim rounded up to a multiple of VW (pads stay zero).
+struct Scratch {
+  std::vector<float> qs, o, kt, vc, s, m, l, c;
+  std::vector<int64_t> pos;
+  Scratch(int64_t rows, int64_t dp)
+      : qs(rows * dp), o(rows * dp), kt(dp * KC, 0.f), vc(KC * dp, 0.f), s(RB * KC), m(rows), l(rows), c(RB),
+        pos(rows) {}
+};
+
+// s[i, :] = qs[i, :] . kt[:, key] for RB rows and KC keys: rows broadcast, two key vectors.
+template <int64_t DP>
+inline void scores(const float* __restrict qs, const float* __restrict kt, float* __restrict s) {
+  vf a0[RB], a1[RB];
+  for (int i = 0; i < RB; ++i) a0[i] = a1[i] = splat(0.f);
+  for (int64_t d = 0; d < DP; ++d) {
+    const vf k0 = load(kt + d * KC), k1 = load(kt + d * KC + VW);
+    for (int i = 0; i < RB; ++i) {
+      const vf qd = splat(qs[i * DP + d]);
+      a0[i] += qd * k0;
+      a1[i] += qd * k1;
+    }
+  }
+  for (int i = 0; i < RB; ++i) {
+    store(s + i * KC, a0[i]);
+    store(s + i * KC + VW, a1[i]);
+  }
+}
+
+// o[i, :] = o[i, :] * c[i] + sum over keys t < n of p[i, t] * vc[t, :], for RB rows.
+template <int64_t DP>
+inline void values(float* __restrict o, const float* __restrict p, const float* __restrict vc,
+                   const float* __restrict c, int64_t n) {
+  constexpr int64_t NV = DP / VW;
+  constexpr int64_t R2 = std::max<int64_t>(1, std::min<int64_t>(RB, ACC / NV));
+  for (int64_t i0 = 0; i0 < RB; i0 += R2) {
+    vf acc[R2][NV];
+    for (int64_t i = 0; i < R2; ++i) {
+      const vf ci = splat(c[i0 + i]);
+      for (int64_t v = 0; v < NV; ++v) acc[i][v] = load(o + (i0 + i) * DP + v * VW) * ci;
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      vf vv[NV];
+      for (int64_t v = 0; v < NV; ++v) vv[v] = load(vc + t * DP + v * VW);
+      for (int64_t i = 0; i < R2; ++i) {
+        const vf w = splat(p[(i0 + i) * KC + t]);
+        for (int64_t v = 0; v < NV; ++v) acc[i][v] += w * vv[v];
+      }
+    }
+    for (int64_t i = 0; i < R2; ++i)
+      for (int64_t v = 0; v < NV; ++v) store(o + (i0 + i) * DP + v * VW, acc[i][v]);
+  }
+}
+
+// Attention of one item. Row r of the tile is token t0 + r / group, query head
+// kvh * group + r % group; rows are padded to a multiple of RB (pads repeat the last row's
+// position, their queries are zero and their output is dropped).
+template <int64_t DP>
+void tile(const float* q, const float* cache, const int32_t* table, float* out, const Shape& s, int64_t row,
+          int64_t q_start, int64_t q_len, int64_t ctx, const Item& it, Scratch& w) {
+  const int64_t G = s.group, D = s.dim, B = s.block_size, h = it.kvh;
+  const int64_t nrows = (it.t1 - it.t0) * G, prows = (nrows + RB - 1) / RB * RB;
+  const int64_t first = ctx - q_len;   // position of the chunk's first query token
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float* qs = w.qs.data();
+  float* o = w.o.data();
+  for (int64_t r = 0; r < prows; ++r) {
+    const int64_t rr = std::min(r, nrows - 1), tok = it.t0 + rr / G;
+    w.pos[r] = first + tok;
+    float* dst = qs + r * DP;
+    std::fill(dst, dst + DP, 0.f);
+    if (r < nrows) {
+      const float* src = q + (q_start + tok) * s.q_tok + (h * G + rr % G) * s.q_head;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * s.scale;
+    }
+    std::fill(o + r * DP, o + (r + 1) * DP, 0.f);
+    w.m[r] = ninf;
+    w.l[r] = 0.f;
+  }
+  const int64_t kend = first + it.t1;   // keys at positions < kend (the last row's position + 1)
+  const int64_t kstart = s.window > 0 ? std::max<int64_t>(first + it.t0 - s.window + 1, 0) : 0;
+  const int64_t token_stride = s.kv_heads * D, page_stride = 2 * B * token_stride;
+  const int32_t* bt = table + row * s.bt_row;
+  const vi lane = iota();
+  for (int64_t c0 = kstart; c0 < kend; c0 += KC) {
+    const int64_t n = std::min<int64_t>(KC, kend - c0);
+    // K of the chunk transposed into kt[d, t], V copied into vc[t, d] (pads beyond n keep
+    // stale finite values or zeros: their scores are masked and the value sum stops at n).
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t p = c0 + t;
+      const int64_t block = bt[(p / B) * s.bt_col];
+      TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_prefill: block id ", block, " out of range");
+      const float* krow = cache + block * page_stride + (p % B) * token_stride + h * D;
+      const float* vrow = krow + B * token_stride;
+      for (int64_t d = 0; d < D; ++d) w.kt[d * KC + t] = krow[d];
+      std::memcpy(w.vc.data() + t * DP, vrow, D * sizeof(float));
+    }
+    for (int64_t rb = 0; rb < prows; rb += RB) {
+      if (c0 > w.pos[rb + RB - 1]) continue;                                    // above the diagonal
+      if (s.window > 0 && c0 + n - 1 <= w.pos[rb] - s.window) continue;         // below the window
+      float* sc = w.s.data();
+      scores<DP>(qs + rb * DP, w.kt.data(), sc);
+      for (int i = 0; i < RB; ++i) {
+        const int64_t r = rb + i, p = w.pos[r];
+        const int32_t lo = static_cast<int32_t>(s.window > 0 ? p - s.window + 1 - c0 : -c0);  // first key visible
+        const int32_t hi = static_cast<int32_t>(p - c0);                                     // last key visible
+        vf x[2];
+        for (int j = 0; j < 2; ++j) {
+          const vi k = lane + j * VW;
+          const vi live = (k >= lo) & (k <= hi);
+          x[j] = live ? load(sc + i * KC + j * VW) : splat(ninf);
+        }
+        const float mx = hmax(x[0] > x[1] ? x[0] : x[1]);
+        if (mx == ninf) {   // nothing visible to this row in the chunk
+          w.c[i] = 1.f;
+          store(sc + i * KC, splat(0.f));
+          store(sc + i * KC + VW, splat(0.f));
+          continue;
+        }
+        const float mnew = std::max(w.m[r], mx);
+        w.c[i] = std::exp(w.m[r] - mnew);   // exp(-inf) = 0 the first time
+        const vf mv = splat(mnew);
+        vf sum = splat(0.f);
+        for (int j = 0; j < 2; ++j) {
+          const vf e = vexp(x[j] - mv);
+          store(sc + i * KC + j * VW, e);
+          sum += e;
+        }
+        w.l[r] = w.l[r] * w.c[i] + hsum(sum);
+        w.m[r] = mnew;
+      }
+      values<DP>(o + rb * DP, sc, w.vc.data(), w.c.data(), n);
+    }
+  }
+  for (int64_t r = 0; r < nrows; ++r) {
+    const int64_t tok = it.t0 + r / G;
+    float* dst = out + (q_start + tok) * s.o_tok + (h * G + r % G) * s.o_head;
+    const float inv = 1.f / w.l[r];
+    for (int64_t d = 0; d < D; ++d) dst[d] = o[r * DP + d] * inv;
+  }
+}
+
+// For each request i: its queries q[query_start[i] : query_start[i] + query_lens[i]] sit at
+// positions seq_lens[i] - query_lens[i] ... seq_lens[i] - 1; each attends the keys of block
+// table row rows[i] at positions <= its own (and > its own - window when window > 0).
+// Output rows of out at the same token indices; nothing else of out is written.
+void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                   const at::Tensor& rows, const at::Tensor& query_start, const at::Tensor& query_lens,
+                   const at::Tensor& seq_lens, int64_t window, double scale, const at::Tensor& out) {
+  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill: CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat, "paged_prefill: float32 q, kv_cache and out");
+  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "paged_prefill: q and out [T, H, D]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
+              "paged_prefill: kv_cache must be a contiguous [blocks, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_prefill: q and out need a contiguous last dim");
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "paged_prefill: int32 block_table");
+  for (const at::Tensor* t : {&rows, &query_start, &query_lens, &seq_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
+                "paged_prefill: contiguous 1-D int64 rows, query_start, query_lens, seq_lens");
+  const int64_t n = rows.numel();
+  TORCH_CHECK(query_start.numel() == n && query_lens.numel() == n && seq_lens.numel() == n,
+              "paged_prefill: one row, query start, query length and seq length per request");
+  Shape s;
+  s.heads = q.size(1);
+  s.dim = q.size(2);
+  s.block_size = kv_cache.size(2);
+  s.kv_heads = kv_cache.size(3);
+  s.num_blocks = kv_cache.size(0);
+  TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0, "paged_prefill: head shapes disagree");
+  TORCH_CHECK(s.dim <= 256, "paged_prefill: head_dim ", s.dim, " > 256 is not supported");
+  s.group = s.heads / s.kv_heads;
+  s.q_tok = q.stride(0);
+  s.q_head = q.stride(1);
+  s.o_tok = out.stride(0);
+  s.o_head = out.stride(1);
+  s.bt_row = block_table.stride(0);
+  s.bt_col = block_table.stride(1);
+  s.window = window;
+  s.scale = static_cast<float>(scale);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* qsp = query_start.data_ptr<int64_t>();
+  const int64_t* qlp = query_lens.data_ptr<int64_t>();
+  const int64_t* lp = seq_lens.data_ptr<int64_t>();
+  // Work items, costed by rows x keys read, handed out longest first.
+  const int64_t tile_tokens = std::max<int64_t>(1, TILE_ROWS / s.group);
+  std::vector<Item> items;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(qlp[i] >= 1 && lp[i] >= qlp[i] && (lp[i] - 1) / s.block_size < block_table.size(1) &&
+                    rp[i] >= 0 && rp[i] < block_table.size(0) && qsp[i] >= 0 && qsp[i] + qlp[i] <= q.size(0),
+                "paged_prefill: request ", i, " has ", qlp[i], " queries at token ", qsp[i], ", seq_len ", lp[i],
+                ", row ", rp[i], ": outside the block table or q, or more queries than keys");
+    const int64_t first = lp[i] - qlp[i];
+    for (int64_t t0 = 0; t0 < qlp[i]; t0 += tile_tokens) {
+      const int64_t t1 = std::min(t0 + tile_tokens, qlp[i]);
+      const int64_t kstart = window > 0 ? std::max<int64_t>(first + t0 - window + 1, 0) : 0;
+      const int64_t cost = (t1 - t0) * (first + t1 - kstart);
+      for (int64_t h = 0; h < s.kv_heads; ++h) items.push_back({i, h, t0, t1, cost});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t dp = (s.dim + VW - 1) / VW * VW;
+  const int64_t padded_dim = dp <= 16 ? 16 : dp <= 32 ? 32 : dp <= 64 ? 64 : dp <= 128 ? 128 : 256;
+  auto* fn = padded_dim == 16 ? tile<16> : padded_dim == 32 ? tile<32> : padded_dim == 64 ? tile<64>
+           : padded_dim == 128 ? tile<128> : tile<256>;
+  const float* qp = q.data_ptr<float>();
+  const float* cp = kv_cache.data_ptr<float>();
+  const int32_t* bp = block_table.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  std::atomic<int64_t> next{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t max_rows = (tile_tokens * s.group + RB - 1) / RB * RB;
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+    Scratch w(max_rows, padded_dim);
+    for (int64_t k = next.fetch_add(1); k < num_items; k = next.fetch_add(1)) {
+      const Item& it = items[k];
+      fn(qp, cp, bp, op, s, rp[it.req], qsp[it.req], qlp[it.req], lp[it.req], it, w);
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
+  m.def("paged_prefill(Tensor q, Tensor kv_cache, Tensor block_table, Tensor rows, Tensor query_start, "
+        "Tensor query_lens, Tensor seq_lens, int window, float scale, Tensor(a!) out) -> ()");
+  m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
+}
