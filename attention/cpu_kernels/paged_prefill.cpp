@@ -51,7 +51,14 @@ inline vf load(const float* p) {
   return v;
 }
 inline void store(float* p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
-inline vf splat(float x) { return vf{} + x; }
+// A broadcast (`vf{} + x` would be a scalar add then a broadcast: 0 + x is not x for x = -0).
+inline vf splat(float x) {
+#if ZOO_PF_VW == 16
+  return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+#else
+  return vf{x, x, x, x, x, x, x, x};
+#endif
+}
 inline vi iota() {
   vi v;
   for (int i = 0; i < VW; ++i) v[i] = i;
@@ -111,8 +118,9 @@ struct Shape {
   float scale;
 };
 
-// One work item: query tokens [t0, t1) (offsets in the request's chunk) of request `req`,
-// against kv head `kvh`.
+// One tile: query tokens [t0, t1) (offsets in the request's chunk) of request `req`, against
+// kv head `kvh`. A work item is a run of consecutive tiles of one (request, kv head): their
+// keys overlap, so the later tiles find them in cache.
 struct Item {
   int64_t req, kvh, t0, t1, cost;
 };
@@ -211,7 +219,24 @@ void tile(const float* q, const float* cache, const int32_t* table, float* out, 
       const float* krow = cache + block * page_stride + (p % B) * token_stride + h * D;
       const float* vrow = krow + B * token_stride;
       for (int64_t d = 0; d < D; ++d) w.kt[d * KC + t] = krow[d];
-      std::memcpy(w.vc.data() + t * DP, vrow, D * sizeof(float));
+      float* vdst = w.vc.data() + t * DP;
+      if (D == DP) {
+        for (int64_t d = 0; d < DP; d += VW) store(vdst + d, load(vrow + d));
+      } else {
+        for (int64_t d = 0; d < D; ++d) vdst[d] = vrow[d];
+      }
+    }
+    // The rows of the next chunk are scattered over pages (a token's row is kv_heads * D
+    // floats wide, one head's slice of it is read): prefetch them while this chunk computes.
+    for (int64_t p = c0 + KC; p < std::min(c0 + 2 * KC, kend); ++p) {
+      const int64_t block = bt[(p / B) * s.bt_col];
+      if (block < 0 || block >= s.num_blocks) continue;   // checked when read
+      const char* krow = reinterpret_cast<const char*>(cache + block * page_stride + (p % B) * token_stride + h * D);
+      const char* vrow = krow + B * token_stride * sizeof(float);
+      for (int64_t b = 0; b < D * 4; b += 64) {
+        __builtin_prefetch(krow + b, 0, 3);
+        __builtin_prefetch(vrow + b, 0, 3);
+      }
     }
     for (int64_t rb = 0; rb < prows; rb += RB) {
       if (c0 > w.pos[rb + RB - 1]) continue;                                    // above the diagonal
@@ -300,8 +325,12 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   const int64_t* qsp = query_start.data_ptr<int64_t>();
   const int64_t* qlp = query_lens.data_ptr<int64_t>();
   const int64_t* lp = seq_lens.data_ptr<int64_t>();
-  // Work items, costed by rows x keys read, handed out longest first.
+  // Work items: every (request, kv head) is one item, or a few runs of its tiles when there
+  // are too few of them to keep the threads balanced; costed by rows x keys read and
+  // handed out longest first.
   const int64_t tile_tokens = std::max<int64_t>(1, TILE_ROWS / s.group);
+  const int64_t threads = at::get_num_threads();
+  const int64_t runs = threads > 1 ? std::max<int64_t>(1, (8 * threads + n * s.kv_heads - 1) / (n * s.kv_heads)) : 1;
   std::vector<Item> items;
   for (int64_t i = 0; i < n; ++i) {
     TORCH_CHECK(qlp[i] >= 1 && lp[i] >= qlp[i] && (lp[i] - 1) / s.block_size < block_table.size(1) &&
@@ -309,10 +338,17 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
                 "paged_prefill: request ", i, " has ", qlp[i], " queries at token ", qsp[i], ", seq_len ", lp[i],
                 ", row ", rp[i], ": outside the block table or q, or more queries than keys");
     const int64_t first = lp[i] - qlp[i];
-    for (int64_t t0 = 0; t0 < qlp[i]; t0 += tile_tokens) {
-      const int64_t t1 = std::min(t0 + tile_tokens, qlp[i]);
-      const int64_t kstart = window > 0 ? std::max<int64_t>(first + t0 - window + 1, 0) : 0;
-      const int64_t cost = (t1 - t0) * (first + t1 - kstart);
+    const int64_t tiles = (qlp[i] + tile_tokens - 1) / tile_tokens;
+    const int64_t parts = std::min(runs, tiles);
+    for (int64_t part = 0; part < parts; ++part) {
+      const int64_t t0 = tiles * part / parts * tile_tokens;
+      const int64_t t1 = std::min(tiles * (part + 1) / parts * tile_tokens, qlp[i]);
+      int64_t cost = 0;
+      for (int64_t a = t0; a < t1; a += tile_tokens) {
+        const int64_t b = std::min(a + tile_tokens, t1);
+        const int64_t kstart = window > 0 ? std::max<int64_t>(first + a - window + 1, 0) : 0;
+        cost += (b - a) * (first + b - kstart);
+      }
       for (int64_t h = 0; h < s.kv_heads; ++h) items.push_back({i, h, t0, t1, cost});
     }
   }
@@ -328,11 +364,14 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t max_rows = (tile_tokens * s.group + RB - 1) / RB * RB;
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_items), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
     Scratch w(max_rows, padded_dim);
     for (int64_t k = next.fetch_add(1); k < num_items; k = next.fetch_add(1)) {
       const Item& it = items[k];
-      fn(qp, cp, bp, op, s, rp[it.req], qsp[it.req], qlp[it.req], lp[it.req], it, w);
+      for (int64_t a = it.t0; a < it.t1; a += tile_tokens) {
+        const Item one{it.req, it.kvh, a, std::min(a + tile_tokens, it.t1), 0};
+        fn(qp, cp, bp, op, s, rp[it.req], qsp[it.req], qlp[it.req], lp[it.req], one, w);
+      }
     }
   });
 }
