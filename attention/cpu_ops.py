@@ -5,7 +5,8 @@ once, token-major, with the query heads of a GQA group sharing each K/V row (see
 header for why that beats the sparse `sampled_addmm` path). `paged_prefill` is its path for
 everything else (prefill chunks, several tokens after a preemption): varlen causal attention
 straight from the pages, no padding to the longest chunk and no masked upper triangle
-(~2-3x faster per layer than the padded SDPA at 64-256-token prompts). The build is lazy: the first
+(per layer, ~3x faster than the padded SDPA on fresh 64-256-token prompts, ~2x after a
+512-token prefix: `python -m bench.cpu_attention --prefill`). The build is lazy: the first
 `available()` call compiles (tens of seconds) or loads the cached library from
 `$ZOOINFER_CACHE/torch_extensions` (default `~/.cache/zooinfer/torch_extensions`).
 

@@ -14,8 +14,9 @@ per step into
 - the rest (prefill chunks, several tokens after a preemption): on CPU, float32, when the
   C++ library built, `cpu_ops.paged_prefill`: varlen causal attention straight from the
   pages, bottom-right aligned (earlier chunks and prefix hits live only in the pages), each
-  query tile reading only the keys it can see (~2-3x faster per layer than the padded path
-  at 64-256-token prompts: no padding to the longest chunk, no masked upper triangle).
+  query tile reading only the keys it can see (per layer ~3x faster than the padded path on
+  fresh 64-256-token prompts, ~2x after a 512-token prefix: no padding to the longest
+  chunk, no masked upper triangle).
   Otherwise (other devices and dtypes, and decodes where the sparse kernels do not apply:
   half precision) the padded path: K and V pages gathered once each, then one batched SDPA
   with queries padded to the longest chunk and a causal-by-position mask; it is planned

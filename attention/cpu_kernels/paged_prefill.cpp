@@ -4,18 +4,20 @@
 //
 // Why a kernel: the torch fallback gathers every request's pages, pads the queries to the
 // longest chunk and runs one masked SDPA over [requests, heads, max_q, max_keys]: with chunks
-// of 64-256 tokens most of that grid is padding or the masked upper triangle. Here a work
-// item is (request, kv head, tile of ~64 query rows): the query rows of the tile (tokens x
-// the GQA group's query heads, which share every K/V row) attend, flash-style, to exactly the
-// keys some row of the tile can see: positions [window start of the tile's first token,
-// position of its last token], bottom-right aligned (a chunk continuation or prefix hit has
-// ctx - q_len earlier keys that live only in the pages). Keys are taken 2 vectors (32 on
-// AVX-512) at a time: K transposed into a scratch tile so the scores are register-blocked
-// broadcast-FMAs (8 rows x 32 keys), V copied contiguous for the weighted sum; softmax is
-// online (running max and sum per row) in fp32. Rows of a block skip key chunks wholly above
-// their diagonal or below their window; pages outside the window are never read (their
-// table slots may point at the null block). Items are handed out longest-first from an
-// atomic counter, so two threads stay balanced whatever the mix of chunk lengths.
+// of 64-256 tokens most of that grid is padding or the masked upper triangle. Here a tile is
+// (request, kv head, ~64 query rows): the tile's query rows (tokens x the GQA group's query
+// heads, which share every K/V row) attend, flash-style, to exactly the keys some row of the
+// tile can see: positions [window start of its first token, position of its last token],
+// bottom-right aligned (a chunk continuation or prefix hit has ctx - q_len earlier keys that
+// live only in the pages). Keys are taken 2 vectors (32 on AVX-512) at a time: K transposed
+// into a scratch tile so the scores are register-blocked broadcast-FMAs (8 rows x 32 keys), V
+// copied contiguous for the weighted sum, the next chunk's rows prefetched; softmax is online
+// (running max and sum per row) in fp32. Rows of a block skip key chunks wholly above their
+// diagonal or below their window; pages outside the window are never read (their table
+// slots may point at the null block). A work item is all tiles of one (request, kv head), so
+// later tiles find the keys in cache (split into runs only when there are too few items for
+// the threads); items are handed out longest first from an atomic counter, so two threads
+// stay balanced whatever the mix of chunk lengths.
 //
 // Registered as a plain dispatcher op (no pybind), like paged_decode.cpp.
 #include <ATen/ATen.h>
