@@ -7,8 +7,10 @@
 // and the write. All math is fp32, in the same order as the torch formulas in
 // models/layers.py (sum of squares accumulated in float), so results agree to a few ulp.
 //
-// Rows are parallel (at::parallel_for) with a grain of ~32K floats of work, so a decode
-// step of a few dozen tokens stays on one thread (no wake-up cost) and long prefills split.
+// Rows are parallel (at::parallel_for) with a grain of 32K output floats, ATen's GRAIN_SIZE,
+// the policy of the torch ops replaced: a decode step of a few dozen tokens stays on one
+// thread (a parallel region costs a wake-up, far more when another process holds the other
+// core) and prefill chunks split.
 // Inputs may be strided views (q/k/v and gate/up are column slices of one fused projection
 // output): only the last dim must be contiguous. Outputs are new contiguous tensors, the
 // same layout the torch code returns.
@@ -44,8 +46,8 @@ inline float hsum(vf v) {
   return s;
 }
 
-constexpr int64_t kGrain = 32768;   // floats of work per parallel chunk, at least (ATen's GRAIN_SIZE)
-inline int64_t grain(int64_t work_per_row) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, work_per_row)); }
+constexpr int64_t kGrain = 32768;   // output floats per parallel chunk, at least: ATen's GRAIN_SIZE
+inline int64_t grain(int64_t out_per_row) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, out_per_row)); }
 
 // exp over the whole float range, Cephes-style: 2^n * p(r), r = x - n ln 2, a few ulp.
 // x < -87 gives 0, x is clamped at 88 (exp(88) ~ 1.7e38 stays finite, so x / (1 + exp(-x))
@@ -136,7 +138,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& weight_in, double 
   const float* wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float e = static_cast<float>(eps), off = static_cast<float>(offset);
-  at::parallel_for(0, n, grain(2 * D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain(D), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) norm_row(src.row(i), wp, op + i * D, D, e, off);
   });
   return out;
@@ -160,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x_in, const at
   float* np_ = normed.data_ptr<float>();
   float* rp = res_out.data_ptr<float>();
   const float e = static_cast<float>(eps), off = static_cast<float>(offset), m = static_cast<float>(multiplier);
-  at::parallel_for(0, n, grain(3 * D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain(D), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* __restrict a = xs.row(i);
       const float* __restrict b = rs.row(i);
@@ -193,7 +195,7 @@ at::Tensor act_mul(const at::Tensor& gate_up_in, int64_t kind) {
   const int64_t gs = gu.stride(0);
   float* op = out.data_ptr<float>();
   const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
-  at::parallel_for(0, n, grain(3 * I), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, grain(I), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* __restrict g = gp + t * gs;
       const float* __restrict u = g + I;
@@ -264,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor> rope(const at::Tensor& positions_in, const at
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
   float *qop = qo.data_ptr<float>(), *kop = ko.data_ptr<float>();
   const int64_t qs0 = q.stride(0), qs1 = q.stride(1), ks0 = k.stride(0), ks1 = k.stride(1);
-  at::parallel_for(0, T, grain(2 * (H + Hk) * D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, T, grain((H + Hk) * D), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + pp[t] * half;
       const float* s = sp + pp[t] * half;
