@@ -198,3 +198,14 @@ def test_bad_inputs_raise_one_line():
     with pytest.raises(RuntimeError, match="float32"):
         cpu_ops.paged_prefill(q.double(), cache.double(), table, rows, start, qlen, torch.tensor([40]), None, 1.0,
                               out.double())
+
+
+def test_window_beyond_int32_equals_no_window(monkeypatch):
+    """Lane masks are int32 chunk offsets: a window past 2**31 must clamp, not wrap."""
+    outs = []
+    for window in (None, 2 ** 40):
+        layout, cache, q, k, v = _step(4, 2, 32, CTX, QLEN, window, seed=11)
+        out, _, _ = _forward(layout, cache, q, k, v, 0.2, monkeypatch, [])
+        outs.append(out)
+    assert torch.isfinite(outs[0]).all()
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

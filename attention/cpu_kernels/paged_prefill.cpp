@@ -247,8 +247,11 @@ void tile(const float* q, const float* cache, const int32_t* table, float* out, 
       scores<DP>(qs + rb * DP, w.kt.data(), sc);
       for (int i = 0; i < RB; ++i) {
         const int64_t r = rb + i, p = w.pos[r];
-        const int32_t lo = static_cast<int32_t>(s.window > 0 ? p - s.window + 1 - c0 : -c0);  // first key visible
-        const int32_t hi = static_cast<int32_t>(p - c0);                                     // last key visible
+        // First and last key of the chunk this row sees, as chunk offsets clamped to [-1, KC]
+        // (int32 lanes: a huge window must not wrap).
+        const int64_t lo64 = s.window > 0 ? p - s.window + 1 - c0 : -1;
+        const int32_t lo = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(lo64, -1), KC));
+        const int32_t hi = static_cast<int32_t>(std::min<int64_t>(std::max<int64_t>(p - c0, -1), KC));
         vf x[2];
         for (int j = 0; j < 2; ++j) {
           const vi k = lane + j * VW;
