@@ -14,11 +14,25 @@ import torch
 from attention.context import get_forward_context
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+           layer_id: int, scale: float) -> torch.Tensor:
+    """Write this step's k/v into the layer's pages and attend: what `zooinfer::paged_attention`
+    runs. Eager callers use this directly (the custom-op dispatch costs ~35 us a call, a few
+    ms per step on a 30-layer model); traced code must use the op (see `paged_attention_op`)."""
+    ctx = get_forward_context()
+    return ctx.backend.forward(q, k, v, kv_cache, ctx.layer_meta[layer_id], scale)
+
+
 @torch.library.custom_op("zooinfer::paged_attention", mutates_args=("kv_cache",))
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     layer_id: int, scale: float) -> torch.Tensor:
-    ctx = get_forward_context()
-    return ctx.backend.forward(q, k, v, kv_cache, ctx.layer_meta[layer_id], scale)
+    return attend(q, k, v, kv_cache, layer_id, scale)
+
+
+def paged_attention_op():
+    """The attention callable for this call site: the custom op under torch.compile (opaque to
+    the graph), the plain function in eager mode."""
+    return torch.ops.zooinfer.paged_attention if torch.compiler.is_compiling() else attend
 
 
 @paged_attention.register_fake

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zooinfer::state_update)
+from attention.ops import paged_attention_op
 from models import fused
 from models.spec import ATTENTION_KINDS, ModelSpec, RopeSpec
 
@@ -132,7 +133,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = torch.ops.zooinfer.paged_attention(q, k, v.contiguous(), kv_cache, self.layer_id, self.scale)
+        o = paged_attention_op()(q, k, v.contiguous(), kv_cache, self.layer_id, self.scale)
         o = o.view(-1, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)
