@@ -1,28 +1,40 @@
-"""MKL-packed weights for the CPU float32 linears (`prepack_linears`).
+"""Pre-packed weights for the CPU float32 linears (`prepack_linears`).
 
-Why: `F.linear` on CPU runs MKL sgemm, which re-packs the weight (B matrix) into its
-blocked layout on every call. For a prefill chunk of 2048 rows that costs little, but a
-decode step multiplies 1-64 rows by each weight, and there packing the weight costs about
-as much as the product itself. `cblas_sgemm_pack` packs it once at load; every call then
-runs `cblas_sgemm_compute` on the packed copy. On this project's bench machine (2 threads)
-that is 1.2-2x faster for 32-64-row products and equal for 2048-row ones; end to end +8%
-(tiny Llama) and +18% (SmolLM2-135M) tokens/s (see the closing note of issue 7).
+Why: a decode step multiplies few rows (one per running request) by every weight of the
+model. The weights do not fit the cache, so the step streams all of them from DRAM, and
+`F.linear` (MKL sgemm) also re-packs each weight into its blocked layout on every call.
 
-How: torch ships the two MKL calls as `torch.ops.mkl._mkl_reorder_linear_weight` and
-`torch.ops.mkl._mkl_linear` (inductor's weight freezing uses them). `_mkl_linear` computes
-with the packed weight only when the row count equals its `prepack_batch_size` argument and
-otherwise falls back to a plain linear; MKL's packed layout for B does not depend on the row
-count (its size is the same for every M, and results match for M from 1 to 2048), so we pass
-the actual row count on every call. Because that reuse is an observation, not a documented
-MKL promise, each weight is checked right after packing against `F.linear` at several row
-counts; a weight that fails stays a plain `nn.Linear` (and a warning says so).
+How, two kinds of packed copy (each linear holds exactly one):
+- panels (default when the C++ kernel library is available, `cpu_ops.available()`): the
+  weight `[N, K]` as column panels `[ceil(N/32), K, 32]` (zero-padded in N), multiplied by
+  `zooinfer_cpu::panel_linear` (attention/cpu_kernels/panel_gemm.cpp), which streams each
+  weight byte once in address order while the FMA units work on the previous ones. It is
+  used for products of up to `PANEL_MAX_ROWS` rows (decode steps); larger products (prefill
+  chunks) run plain `F.linear` on the original weight, which MKL computes as fast as its
+  packed form there. Streaming the 430 MB of SmolLM2-135M body weights (2 threads) takes
+  35 ms at 32 rows against 47 ms for MKL packed and 60 ms for `F.linear` (numbers in the .cpp
+  header); end to end, SmolLM2-135M with 32 requests +13% tokens/s over MKL packed, tiny
+  Llama (weights in cache) unchanged.
+- MKL packed (when the kernel library is missing but torch has MKL): `cblas_sgemm_pack`
+  once at load, `cblas_sgemm_compute` per call, as `torch.ops.mkl._mkl_reorder_linear_weight`
+  / `torch.ops.mkl._mkl_linear` (inductor's weight freezing uses them). `_mkl_linear` uses the
+  packed weight only when the row count equals its `prepack_batch_size` argument; MKL's packed
+  layout for B does not depend on the row count (same size for every M, equal results for M
+  from 1 to 2048), so we pass the actual row count on every call. 1.2-2x faster than
+  `F.linear` for 32-64-row products, equal for 2048-row ones.
+
+Each packed weight is checked right after packing against `F.linear` at several row counts
+(for MKL the row-count reuse is an observation, not a documented promise); a weight that fails
+stays a plain `nn.Linear` (and a warning says so).
 
 Under torch.compile the packed product runs as the opaque custom op `zooinfer::packed_linear`
-(dynamo cannot trace an MKL-DNN tensor), which finds the packed weight by key.
+(dynamo cannot trace an MKL-DNN tensor nor the C++ op's choice), which finds the packed
+weight by key.
 
-Memory: the packed copy is as large as the weight (the allocation is larger but its tail is
-never touched), and the original stays (ties, state dicts and fallbacks use it), so packed
-linears take twice their weight bytes. `EngineConfig.prepack_weights=False` turns it off.
+Memory: the packed copy is as large as the weight (panels: plus the padding of N to a multiple
+of 32; MKL: the allocation is larger but its tail is never touched), and the original stays
+(ties, state dicts, large products and fallbacks use it), so packed linears take twice their
+weight bytes. `EngineConfig.prepack_weights=False` turns it off.
 """
 from __future__ import annotations
 
@@ -34,26 +46,59 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-_PACKED: dict[int, torch.Tensor] = {}    # key -> packed weight, for the compiled path
+from attention import cpu_ops
+
+_PACKED: dict[int, tuple[str, torch.Tensor]] = {}    # key -> (kind, packed weight), for the compiled path
 _keys = itertools.count()
 _CHECK_ROWS = (1, 3, 17, 64)
+NR = 32                     # panel width (panel_gemm.cpp: two 16-float vectors)
+PANEL_MAX_ROWS = 64         # products of more rows run F.linear (streamed: panels win up to 64 rows, lose at 96+)
 
 
-def supported() -> bool:
+def mkl_supported() -> bool:
     """Whether this torch build has the MKL packed-GEMM ops."""
     return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
-def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor,
+def supported() -> bool:
+    """Whether weights can be packed here: the C++ panel kernel or MKL's packed GEMM."""
+    return cpu_ops.available() or mkl_supported()
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """`w [N, K]` as contiguous column panels `[ceil(N/NR), K, NR]`, zero-padded past N."""
+    n, k = w.shape
+    full, tail = divmod(n, NR)
+    panels = torch.zeros(full + (tail > 0), k, NR, dtype=w.dtype)
+    with torch.no_grad():
+        panels[:full] = w[:full * NR].view(full, NR, k).transpose(1, 2)
+        if tail:
+            panels[full, :, :tail] = w[full * NR:].T
+    return panels
+
+
+def _panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.zooinfer_cpu.panel_linear(x, panels, n, bias)
+
+
+def _packed_matmul(x: torch.Tensor, kind: str, packed: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if kind == "mkl":
+        return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
+    if rows > PANEL_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k)
+    out = _panel_linear(x2, packed, weight.shape[0], bias)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("zooinfer::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
     """`F.linear(x, weight, bias)` computed with the packed copy of `weight` registered under `key`."""
-    return _packed_matmul(x, _PACKED[key], weight, bias)
+    kind, packed = _PACKED[key]
+    return _packed_matmul(x, kind, packed, weight, bias)
 
 
 @packed_linear.register_fake
@@ -62,52 +107,63 @@ def _(x, weight, bias, key):
 
 
 class PackedLinear(nn.Module):
-    """An `nn.Linear` whose product runs on an MKL-packed copy of its weight. Holds the
-    same `weight` / `bias` Parameters as the module it replaces (ties survive)."""
+    """An `nn.Linear` whose product runs on a packed copy of its weight (`kind` "panel" or
+    "mkl", see the module docstring). Holds the same `weight` / `bias` Parameters as the
+    module it replaces (ties survive)."""
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor):
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, kind: str):
         super().__init__()
+        if kind not in ("panel", "mkl"):
+            raise ValueError(f"PackedLinear: kind must be 'panel' or 'mkl', got {kind!r}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.packed = packed                 # MKL-DNN tensor: a plain attribute, not a buffer
+        self.kind = kind
+        self.packed = packed                 # a plain attribute, not a buffer (state dicts stay unchanged)
         self.key = next(_keys)
-        _PACKED[self.key] = packed
+        _PACKED[self.key] = (kind, packed)
         weakref.finalize(self, _PACKED.pop, self.key, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.zooinfer.packed_linear(x, self.weight, self.bias, self.key)
-        return _packed_matmul(x, self.packed, self.weight, self.bias)
+        return _packed_matmul(x, self.kind, self.packed, self.weight, self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, mkl_packed"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, packed={self.kind}")
 
 
-def _pack(linear: nn.Linear) -> torch.Tensor | None:
-    """The packed weight, or None when this weight cannot use it or the check fails."""
+def _pack(linear: nn.Linear, kind: str | None = None) -> tuple[torch.Tensor, str] | None:
+    """(packed weight, kind), or None when this weight cannot use it or the check fails.
+    `kind` None picks panels when the kernel library is available, else MKL."""
     w = linear.weight
     if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.numel() == 0:
         return None
     b = linear.bias
     if b is not None and (b.dtype != torch.float32 or b.device.type != "cpu"):
         return None
+    if kind is None:
+        kind = "panel" if cpu_ops.available() else "mkl" if mkl_supported() else None
+    if kind is None:
+        return None
     with torch.no_grad():
-        packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 64)
+        w = w.detach()
+        packed = pack_panels(w) if kind == "panel" else torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
         gen = torch.Generator().manual_seed(0)
         for rows in _CHECK_ROWS:
             x = torch.randn(rows, w.shape[1], generator=gen)
             want = F.linear(x, w, b)
-            got = _packed_matmul(x, packed, w.detach(), None if b is None else b.detach())
+            got = _packed_matmul(x, kind, packed, w, None if b is None else b.detach())
             tol = 1e-4 * (1.0 + want.abs().max().item())
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=tol):
                 return None
-    return packed
+    return packed, kind
 
 
 def prepack_linears(model: nn.Module) -> int:
     """Replace every CPU float32 `nn.Linear` of `model` with a `PackedLinear`; returns how
-    many were packed. A no-op (0) when MKL is missing."""
+    many were packed. A no-op (0) when neither the kernel library nor MKL is available."""
     if not supported():
         return 0
     targets = [(parent, name, child) for parent in model.modules()
@@ -119,9 +175,9 @@ def prepack_linears(model: nn.Module) -> int:
             if child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
                 failed.append(name)
             continue
-        setattr(parent, name, PackedLinear(child, p))
+        setattr(parent, name, PackedLinear(child, *p))
         packed += 1
     if failed:
-        warnings.warn(f"MKL packed weights disagreed with F.linear for {len(failed)} linear(s) "
+        warnings.warn(f"packed weights disagreed with F.linear for {len(failed)} linear(s) "
                       f"(e.g. {failed[0]!r}); those stay unpacked", RuntimeWarning, stacklevel=2)
     return packed

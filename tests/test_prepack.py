@@ -1,5 +1,6 @@
-"""MKL-packed linear weights (models/prepack.py): exact products, module swap, fallback,
-and engine outputs unchanged with packing on vs off."""
+"""Packed linear weights (models/prepack.py): the C++ panel GEMM against F.linear, exact
+products of both packed kinds, module swap, fallback, and engine outputs unchanged with
+packing on vs off."""
 from __future__ import annotations
 
 import pytest
@@ -7,24 +8,110 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from attention import cpu_ops
 from models import prepack
 from models.prepack import PackedLinear, prepack_linears
 
-pytestmark = pytest.mark.skipif(not prepack.supported(), reason="torch built without MKL")
+pytestmark = pytest.mark.skipif(not prepack.supported(), reason="neither the C++ kernels nor MKL available")
+needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="C++ CPU kernels unavailable")
+KINDS = [k for k, ok in (("panel", cpu_ops.available()), ("mkl", prepack.mkl_supported())) if ok]
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k", [1, 5, 64, 576, 1536])
+def test_panel_linear_equals_linear(k):
+    gen = torch.Generator().manual_seed(k)
+    for n in (1, 17, 32, 33, 960, 3072):
+        w = torch.randn(n, k, generator=gen)
+        b = torch.randn(n, generator=gen)
+        panels = prepack.pack_panels(w)
+        assert panels.shape == ((n + 31) // 32, k, 32)
+        for m in (0, 1, 2, 7, 13, 32, 64, 65, 200):
+            wide = torch.randn(m, k + 9, generator=gen)
+            for x in (wide[:, 4:4 + k], wide[:, :k].contiguous()):      # strided rows and contiguous
+                for bias in (None, b):
+                    want = F.linear(x, w, bias)
+                    got = torch.ops.zooinfer_cpu.panel_linear(x, panels, n, bias)
+                    assert got.shape == (m, n)
+                    scale = 1.0 + (want.abs().max().item() if want.numel() else 0.0)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale,
+                                               msg=f"m={m} k={k} n={n} bias={bias is not None}")
+
+
+@needs_kernels
+def test_panel_linear_rejects_mismatched_shapes():
+    panels = prepack.pack_panels(torch.randn(40, 8))
+    with pytest.raises(RuntimeError, match="K=9"):
+        torch.ops.zooinfer_cpu.panel_linear(torch.randn(3, 9), panels, 40, None)
+    with pytest.raises(RuntimeError, match="n=70"):
+        torch.ops.zooinfer_cpu.panel_linear(torch.randn(3, 8), panels, 70, None)
+
+
+def test_pack_panels_layout():
+    w = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
+    p = prepack.pack_panels(w)
+    assert p.shape == (3, 3, 32) and p.is_contiguous()
+    for col in range(96):
+        want = w[col] if col < 70 else torch.zeros(3)
+        assert torch.equal(p[col // 32, :, col % 32], want)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("in_f,out_f", [(64, 192), (96, 17), (1, 5)])
-def test_packed_linear_equals_linear_for_every_row_count(bias, in_f, out_f):
+def test_packed_linear_equals_linear_for_every_row_count(kind, bias, in_f, out_f):
     torch.manual_seed(0)
     lin = nn.Linear(in_f, out_f, bias=bias)
-    packed = PackedLinear(lin, prepack._pack(lin))
-    for shape in [(1, in_f), (5, in_f), (64, in_f), (300, in_f), (3, 7, in_f), (0, in_f)]:
+    packed = PackedLinear(lin, *prepack._pack(lin, kind))
+    assert packed.kind == kind
+    for shape in [(1, in_f), (5, in_f), (64, in_f), (300, in_f), (3, 7, in_f), (0, in_f), (2, 0, in_f)]:
         x = torch.randn(shape)
         with torch.no_grad():
             want, got = lin(x), packed(x)
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_panel_kind_uses_f_linear_above_the_row_threshold(monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 40)
+    packed = PackedLinear(lin, *prepack._pack(lin, "panel"))
+    # one packed copy only: the panels, padded to a multiple of 32 outputs
+    assert packed.packed.shape == (2, 48, 32)
+    monkeypatch.setattr(prepack, "PANEL_MAX_ROWS", 4)
+    calls = []
+    real = prepack._panel_linear
+    monkeypatch.setattr(prepack, "_panel_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.no_grad():
+        for rows in (4, 5):
+            x = torch.randn(rows, 48)
+            got = packed(x)
+            if rows > 4:
+                assert torch.equal(got, F.linear(x, lin.weight, lin.bias))
+    assert calls == [4]
+
+
+@needs_kernels
+def test_panels_pack_without_mkl(monkeypatch):
+    monkeypatch.setattr(prepack, "mkl_supported", lambda: False)
+    assert prepack.supported()
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 3))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        ref = model(x)
+    assert prepack_linears(model) == 2
+    assert all(type(m) is PackedLinear and m.kind == "panel" for m in model)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_prepack_swaps_every_cpu_float32_linear_and_keeps_ties():
@@ -43,6 +130,7 @@ def test_prepack_swaps_every_cpu_float32_linear_and_keeps_ties():
         ref = toy.head(toy.block["b"](toy.block["a"](x)))
     assert prepack_linears(toy) == 3
     assert isinstance(toy.block["a"], PackedLinear) and isinstance(toy.block["b"], PackedLinear)
+    assert toy.block["a"].kind == KINDS[0]
     assert type(toy.bf16) is nn.Linear
     assert toy.head.weight is toy.embed.weight
     with torch.no_grad():
@@ -52,19 +140,20 @@ def test_prepack_swaps_every_cpu_float32_linear_and_keeps_ties():
 
 def test_a_weight_whose_check_fails_stays_plain(monkeypatch):
     real = prepack._packed_matmul
-    monkeypatch.setattr(prepack, "_packed_matmul", lambda x, p, w, b: real(x, p, w, b) + 1.0)
+    monkeypatch.setattr(prepack, "_packed_matmul", lambda x, kind, p, w, b: real(x, kind, p, w, b) + 1.0)
     model = nn.Sequential(nn.Linear(8, 8))
     with pytest.warns(RuntimeWarning, match="stay unpacked"):
         assert prepack_linears(model) == 0
     assert type(model[0]) is nn.Linear
 
 
-def test_packed_linear_compiles_as_one_opaque_op():
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_linear_compiles_as_one_opaque_op(kind):
     torch.manual_seed(0)
     lin = nn.Linear(32, 48)
-    packed = PackedLinear(lin, prepack._pack(lin))
+    packed = PackedLinear(lin, *prepack._pack(lin, kind))
     fn = torch.compile(lambda x: torch.relu(packed(x)) * 2, fullgraph=True, dynamic=True)
-    for rows in (3, 9):
+    for rows in (3, 9, 300):
         x = torch.randn(rows, 32)
         with torch.no_grad():
             torch.testing.assert_close(fn(x), torch.relu(lin(x)) * 2, rtol=1e-5, atol=1e-5)
