@@ -22,7 +22,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True      # hits need every KV cache group (not state layers yet)
     cuda_graphs: bool = False               # replay captured decode steps (device='cuda', flashinfer)
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
-    prepack_weights: bool = True            # CPU float32 linears run on MKL-packed weights (models/prepack.py)
+    prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):

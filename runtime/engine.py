@@ -75,7 +75,7 @@ class Engine:
             packed = prepack_linears(self.model)
             if packed:
                 phase("prepack")
-                log.info("packed %d linear weights for MKL in %.2f s", packed, self.startup_seconds["prepack"])
+                log.info("packed %d linear weights in %.2f s", packed, self.startup_seconds["prepack"])
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         eos = list(spec.eos_token_ids)

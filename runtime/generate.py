@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="torch", help="torch (default), triton or flashinfer")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of MKL-packed weights")
+    ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
     ap.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (greedy sampling off)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

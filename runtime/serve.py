@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the spec's)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (cuda + flashinfer)")
     ap.add_argument("--no-prefix-caching", action="store_true")
-    ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of MKL-packed weights")
+    ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--graceful-timeout", type=float, default=10.0,
                     help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
