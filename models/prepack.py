@@ -4,8 +4,10 @@ Why: a decode step multiplies few rows (one per running request) by every weight
 model. The weights do not fit the cache, so the step streams all of them from DRAM, and
 `F.linear` (MKL sgemm) also re-packs each weight into its blocked layout on every call.
 
-How, two kinds of packed copy (each linear holds exactly one):
-- panels (default when the C++ kernel library is available, `cpu_ops.available()`): the
+How, two kinds of packed copy (each linear holds exactly one; `choose_kind` picks one per
+model: panels when its linear weights are larger than the last-level cache, so a decode step
+streams them from DRAM, MKL packed when they stay cached and the products are compute-bound):
+- panels (needs the C++ kernel library, `cpu_ops.available()`): the
   weight `[N, K]` as column panels `[ceil(N/32), K, 32]` (zero-padded in N), multiplied by
   `zooinfer_cpu::panel_linear` (attention/cpu_kernels/panel_gemm.cpp), which streams each
   weight byte once in address order while the FMA units work on the previous ones. It is
@@ -15,7 +17,7 @@ How, two kinds of packed copy (each linear holds exactly one):
   35 ms at 32 rows against 47 ms for MKL packed and 60 ms for `F.linear` (numbers in the .cpp
   header); end to end, SmolLM2-135M with 32 requests +13% tokens/s over MKL packed, tiny
   Llama (weights in cache) unchanged.
-- MKL packed (when the kernel library is missing but torch has MKL): `cblas_sgemm_pack`
+- MKL packed (cached weights, or no kernel library; torch built with MKL): `cblas_sgemm_pack`
   once at load, `cblas_sgemm_compute` per call, as `torch.ops.mkl._mkl_reorder_linear_weight`
   / `torch.ops.mkl._mkl_linear` (inductor's weight freezing uses them). `_mkl_linear` uses the
   packed weight only when the row count equals its `prepack_batch_size` argument; MKL's packed
@@ -41,6 +43,7 @@ from __future__ import annotations
 import itertools
 import warnings
 import weakref
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +56,25 @@ _keys = itertools.count()
 _CHECK_ROWS = (1, 3, 17, 64)
 NR = 32                     # panel width (panel_gemm.cpp: two 16-float vectors)
 PANEL_MAX_ROWS = 64         # products of more rows run F.linear (streamed: panels win up to 64 rows, lose at 96+)
+
+
+def _last_level_cache_bytes() -> int:
+    """Size of the largest CPU cache (sysfs), 32 MiB when it cannot be read."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+            best = max(best, int(text.rstrip("KMG")) << {"K": 10, "M": 20, "G": 30}.get(text[-1], 0))
+        except (OSError, ValueError, IndexError):
+            continue
+    return best or 32 << 20
+
+
+# Panels pay off when the weights stream from DRAM on every decode step, i.e. do not fit the
+# last-level cache; weights that stay cached are compute-bound there, where MKL's packed
+# kernel is faster (tiny Llama, 44 MB of weights: MKL 2520 vs panels 2087 tok/s; SmolLM2,
+# 540 MB: panels 1.06-1.13x MKL). Read once at import.
+PANEL_MIN_WEIGHT_BYTES = _last_level_cache_bytes()
 
 
 def mkl_supported() -> bool:
@@ -161,16 +183,33 @@ def _pack(linear: nn.Linear, kind: str | None = None) -> tuple[torch.Tensor, str
     return packed, kind
 
 
-def prepack_linears(model: nn.Module) -> int:
+def choose_kind(weight_bytes: int) -> str | None:
+    """The packed kind for a model whose packable linear weights take `weight_bytes`: panels
+    when they exceed the last-level cache (or MKL is missing), else MKL (or panels when only
+    the kernel library exists); None when neither is available."""
+    panels, mkl = cpu_ops.available(), mkl_supported()
+    if panels and (weight_bytes > PANEL_MIN_WEIGHT_BYTES or not mkl):
+        return "panel"
+    return "mkl" if mkl else None
+
+
+def prepack_linears(model: nn.Module, kind: str | None = None) -> int:
     """Replace every CPU float32 `nn.Linear` of `model` with a `PackedLinear`; returns how
-    many were packed. A no-op (0) when neither the kernel library nor MKL is available."""
+    many were packed. `kind` None: `choose_kind` by the model's total linear weight bytes.
+    A no-op (0) when neither the kernel library nor MKL is available."""
     if not supported():
         return 0
     targets = [(parent, name, child) for parent in model.modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
+    if kind is None:
+        weights = {id(c.weight): c.weight for _, _, c in targets
+                   if c.weight.device.type == "cpu" and c.weight.dtype == torch.float32}
+        kind = choose_kind(sum(w.numel() * w.element_size() for w in weights.values()))
+        if kind is None:
+            return 0
     packed, failed = 0, []
     for parent, name, child in targets:
-        p = _pack(child)
+        p = _pack(child, kind)
         if p is None:
             if child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
                 failed.append(name)

@@ -130,7 +130,7 @@ def test_prepack_swaps_every_cpu_float32_linear_and_keeps_ties():
         ref = toy.head(toy.block["b"](toy.block["a"](x)))
     assert prepack_linears(toy) == 3
     assert isinstance(toy.block["a"], PackedLinear) and isinstance(toy.block["b"], PackedLinear)
-    assert toy.block["a"].kind == KINDS[0]
+    assert toy.block["a"].kind == prepack.choose_kind(0)      # a few KB of weights: the cached-weights kind
     assert type(toy.bf16) is nn.Linear
     assert toy.head.weight is toy.embed.weight
     with torch.no_grad():
@@ -170,6 +170,40 @@ def test_engine_outputs_identical_with_and_without_packing(tiny_hf):
         llm = LLM(str(path), prepack_weights=flag, max_num_batched_tokens=40)
         kinds = {type(m) for m in llm.engine.model.modules()}
         assert (PackedLinear in kinds) is flag and (nn.Linear in kinds) is not flag
+        outs[flag] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(outs[True], outs[False]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for tok in lb:
+                assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4
+
+
+@needs_kernels
+def test_kind_follows_whether_the_weights_fit_the_last_level_cache(monkeypatch):
+    llc = prepack.PANEL_MIN_WEIGHT_BYTES
+    assert prepack.choose_kind(llc + 1) == "panel"
+    if prepack.mkl_supported():
+        assert prepack.choose_kind(llc) == "mkl"
+    monkeypatch.setattr(prepack, "mkl_supported", lambda: False)
+    assert prepack.choose_kind(0) == "panel"
+    monkeypatch.setattr(prepack.cpu_ops, "available", lambda: False)
+    assert prepack.choose_kind(llc + 1) is None
+
+
+@needs_kernels
+def test_engine_on_panels_equals_unpacked(tiny_hf, monkeypatch):
+    """The tiny model's weights fit the cache, so it would get MKL packing: force panels."""
+    from runtime import LLM, SamplingParams
+    monkeypatch.setattr(prepack, "PANEL_MIN_WEIGHT_BYTES", 0)
+    path, _ = tiny_hf("llama")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (2, 17, 40)]
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10, logprobs=2)
+    outs = {}
+    for flag in (True, False):
+        llm = LLM(str(path), prepack_weights=flag, max_num_batched_tokens=32)
+        packed = [m for m in llm.engine.model.modules() if isinstance(m, PackedLinear)]
+        assert all(m.kind == "panel" for m in packed) and bool(packed) is flag
         outs[flag] = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for a, b in zip(outs[True], outs[False]):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
