@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from attention import cpu_ops
+
 
 @dataclass(slots=True)
 class SamplingMetadata:
@@ -98,8 +100,12 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of a 2-D tensor, same result (the first maximal index, NaN counts as the
     maximum), about 4-10x faster on CPU: torch's argmax over the last dim is a scalar loop,
     while `amax` is vectorised. Chunk maxima find the first chunk holding the row's maximum;
-    the argmax inside that one chunk finds the first index of it."""
+    the argmax inside that one chunk finds the first index of it. CPU float32 logits go to
+    the C++ `argmax_rows` (one vectorised pass per row, no small-op thread hand-offs: 0.37 vs
+    2.0 ms for 64 x 32000 at 2 threads) when the kernel library is built."""
     n, vocab = x.shape
+    if x.device.type == "cpu" and x.dtype == torch.float32 and vocab and cpu_ops.available():
+        return torch.ops.zooinfer_cpu.argmax_rows(x)
     if vocab <= 2 * _ARGMAX_CHUNK or x.device.type != "cpu":
         return x.argmax(dim=-1)
     c = _ARGMAX_CHUNK

@@ -367,11 +367,18 @@ def test_sampling_params_valid_edges_and_normalisation():
     assert math.isclose(SamplingParams(top_p=0.01).top_p, 0.01)
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpp", "chunked"])
 @pytest.mark.parametrize("vocab", [200, 32000, 32001, 1000])
-def test_chunked_argmax_equals_torch_argmax(vocab):
-    """The greedy fast path returns exactly torch's argmax: first index among ties, NaN
-    counted as the maximum, all -inf rows give 0, a maximum in the ragged last chunk."""
+def test_chunked_argmax_equals_torch_argmax(vocab, kernel, monkeypatch):
+    """The greedy fast paths (the C++ `argmax_rows` and the chunked torch fallback) return
+    exactly torch's argmax: first index among ties, NaN counted as the maximum, all -inf rows
+    give 0, a maximum in the ragged last chunk."""
+    from attention import cpu_ops
     from runtime.sampler import _argmax
+    if kernel and not cpu_ops.available():
+        pytest.skip("C++ CPU kernels unavailable")
+    if not kernel:
+        monkeypatch.setattr(cpu_ops, "available", lambda: False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, vocab, generator=g)
     x[0, 3] = x[0, vocab - 2] = 50.0                      # a tie across chunks: the first wins
@@ -383,3 +390,25 @@ def test_chunked_argmax_equals_torch_argmax(vocab):
     x[6] = torch.round(x[6])                              # many ties at the top
     assert torch.equal(_argmax(x), x.argmax(dim=-1))
     assert _argmax(x).tolist()[:6] == [3, vocab - 1, 0, 7, 0, 129]
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 31, 33, 49152])
+def test_cpp_argmax_rows_small_odd_and_strided(vocab):
+    """`argmax_rows` on rows shorter than, equal to and just past one 16-float vector, with
+    the maximum / a NaN / -inf in the scalar tail, and on a strided view."""
+    from attention import cpu_ops
+    if not cpu_ops.available():
+        pytest.skip("C++ CPU kernels unavailable")
+    f = torch.ops.zooinfer_cpu.argmax_rows
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab + 3, generator=g)[:, 1:vocab + 1]        # strided rows
+    x[1, -1] = 99.0                                                   # max in the tail
+    x[2, -1] = float("nan")                                           # NaN in the tail
+    x[3] = float("-inf")
+    x[4] = float("-inf")
+    x[4, -1] = -1e30                                                  # one finite value last
+    x[5] = 0.0
+    x[5, -1] = -0.0                                                   # signed-zero tie
+    assert torch.equal(f(x), x.argmax(dim=-1))
+    with pytest.raises(RuntimeError, match="float32"):
+        f(x.double())
