@@ -21,6 +21,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <tuple>
@@ -49,30 +51,7 @@ inline float hsum(vf v) {
 constexpr int64_t kGrain = 32768;   // output floats per parallel chunk, at least: ATen's GRAIN_SIZE
 inline int64_t grain(int64_t out_per_row) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, out_per_row)); }
 
-// exp over the whole float range, Cephes-style: 2^n * p(r), r = x - n ln 2, a few ulp.
-// x < -87 gives 0, x is clamped at 88 (exp(88) ~ 1.7e38 stays finite, so x / (1 + exp(-x))
-// goes to -0 the same way torch's inf does).
-inline vf vexp(vf x) {
-  const vi dead = x < splat(-87.f);
-  x = x < splat(-87.f) ? splat(-87.f) : x;
-  x = x > splat(88.f) ? splat(88.f) : x;
-  vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
-  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
-  n = n > fx ? n - splat(1.f) : n;   // floor
-  const vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
-  y = y * (r * r) + r + splat(1.f);
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);
-  y = y * scale;
-  return dead ? splat(0.f) : y;
-}
+inline vf vexp(vf x) { return zooinfer_vec::exp<vf, vi>(x); }   // see vec_exp.h
 
 // A tensor of up to 3 dims seen as rows of its last dim: row i = (i / n1, i % n1).
 struct Rows {

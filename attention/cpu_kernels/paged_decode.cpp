@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "vec_exp.h"
+
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -39,29 +41,7 @@ inline float hsum(vf v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// exp for x <= 0 (scores minus their running max), Cephes-style: 2^n * p(r), r = x - n ln 2,
-// a few ulp; x below -87 (incl. -inf) gives exactly 0.
-inline vf vexp(vf x) {
-  const vf lo = splat(-87.f);
-  const vi dead = x < lo;
-  x = dead ? lo : x;
-  vf fx = x * splat(1.44269504088896341f) + splat(0.5f);
-  vf n = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
-  n = n > fx ? n - splat(1.f) : n;                                    // floor
-  const vf r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
-  vf y = splat(1.9875691500e-4f);
-  y = y * r + splat(1.3981999507e-3f);
-  y = y * r + splat(8.3334519073e-3f);
-  y = y * r + splat(4.1665795894e-2f);
-  y = y * r + splat(1.6666665459e-1f);
-  y = y * r + splat(5.0000001201e-1f);
-  y = y * (r * r) + r + splat(1.f);
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf scale;
-  __builtin_memcpy(&scale, &bits, sizeof scale);
-  y = y * scale;
-  return dead ? splat(0.f) : y;
-}
+inline vf vexp(vf x) { return zooinfer_vec::exp<vf, vi>(x); }   // see vec_exp.h
 
 // KD > 0: the head dim known at compile time (loops fully unrolled); KD == 0: runtime `dim`.
 template <int64_t KD>
