@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "paged_checks.h"
 #include "vec_exp.h"
 
 #include <algorithm>
@@ -237,14 +238,7 @@ void decode_one(const float* q, const float* cache, const int32_t* table, int64_
 void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                   const at::Tensor& rows, const at::Tensor& token_index, const at::Tensor& seq_lens,
                   int64_t window, double scale, const at::Tensor& out) {
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_decode: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat, "paged_decode: float32 q, kv_cache and out");
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "paged_decode: q and out [T, H, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
-              "paged_decode: kv_cache must be a contiguous [blocks, 2, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_decode: q and out need a contiguous last dim");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "paged_decode: int32 block_table");
+  zooinfer_paged::check_common("paged_decode", q, kv_cache, block_table, out);
   TORCH_CHECK(rows.scalar_type() == at::kLong && token_index.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong && rows.is_contiguous() && token_index.is_contiguous() &&
                   seq_lens.is_contiguous(), "paged_decode: contiguous int64 rows, token_index, seq_lens");

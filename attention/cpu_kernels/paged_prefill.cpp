@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "paged_checks.h"
 #include "vec_exp.h"
 
 #include <algorithm>
@@ -275,14 +276,7 @@ void tile(const float* q, const float* cache, const int32_t* table, float* out, 
 void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    const at::Tensor& rows, const at::Tensor& query_start, const at::Tensor& query_lens,
                    const at::Tensor& seq_lens, int64_t window, double scale, const at::Tensor& out) {
-  TORCH_CHECK(q.device().is_cpu() && kv_cache.device().is_cpu(), "paged_prefill: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat, "paged_prefill: float32 q, kv_cache and out");
-  TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), "paged_prefill: q and out [T, H, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
-              "paged_prefill: kv_cache must be a contiguous [blocks, 2, block_size, kv_heads, head_dim]");
-  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_prefill: q and out need a contiguous last dim");
-  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, "paged_prefill: int32 block_table");
+  zooinfer_paged::check_common("paged_prefill", q, kv_cache, block_table, out);
   for (const at::Tensor* t : {&rows, &query_start, &query_lens, &seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
                 "paged_prefill: contiguous 1-D int64 rows, query_start, query_lens, seq_lens");
