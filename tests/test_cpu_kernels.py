@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from attention import BatchLayout, cpu_ops, get_backend
+from attention import cpu_ops, get_backend
 from attention.torch_backend import _make_part
 from runtime import LLM, SamplingParams
+from tests.test_cpu_prefill import _reference, _step
 
 torch.set_num_threads(1)
 
@@ -26,45 +27,11 @@ def built():
 
 
 def _batch(heads, kv_heads, dim, ctx, window, bs=16, seed=0):
-    """Decodes over shuffled pages. Pages wholly below the window point at the null block, and
-    it, every slot past a request's last token and every table slot past its last page hold
-    NaN: any read of them shows up in the output."""
-    gen = torch.Generator().manual_seed(seed)
-    ctx = np.asarray(ctx)
-    n_pages = -(-ctx // bs)
-    num_blocks = int(n_pages.sum()) + 1
-    perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).numpy()
-    table = np.zeros((len(ctx), int(n_pages.max()) + 2), dtype=np.int32)
-    first = np.concatenate(([0], np.cumsum(n_pages)))
-    cache = torch.randn(num_blocks, 2, bs, kv_heads, dim, generator=gen)
-    for i, (L, nb) in enumerate(zip(ctx, n_pages)):
-        table[i, :nb] = perm[first[i]:first[i + 1]]
-        cache[table[i, nb - 1], :, (L - 1) % bs + 1:] = float("nan")      # slots past the last token
-        if window is not None:
-            table[i, :max(L - window, 0) // bs] = 0                       # dead pages: the null block
-    cache[0] = float("nan")
-    pos = ctx - 1
-    slots = table[np.arange(len(ctx)), pos // bs].astype(np.int64) * bs + pos % bs
-    layout = BatchLayout(query_start_loc=np.arange(len(ctx) + 1), seq_lens=ctx, block_table=torch.from_numpy(table),
-                         slot_mapping=torch.from_numpy(slots), block_size=bs, sliding_window=window)
-    q = torch.randn(len(ctx), heads, dim, generator=gen)
+    """Decodes (one query token each) over shuffled pages: `_step` of test_cpu_prefill with
+    every query length 1, so the null block, slots past each request's last token and pages
+    below the window hold NaN and any read of them shows up in the output."""
+    layout, cache, q, _, _ = _step(heads, kv_heads, dim, ctx, [1] * len(ctx), window, bs=bs, seed=seed)
     return layout, cache, q
-
-
-def _reference(layout, cache, q, scale):
-    """float64 attention of each decode over its visible keys, gathered position by position."""
-    bs, window = layout.block_size, layout.sliding_window
-    table = layout.block_table.numpy()
-    group = q.shape[1] // cache.shape[3]
-    out = []
-    for i, L in enumerate(layout.seq_lens):
-        pos = np.arange(0 if window is None else max(L - window, 0), L)
-        blocks = torch.from_numpy(table[i, pos // bs].astype(np.int64))
-        k = cache[blocks, 0, torch.from_numpy(pos % bs)].double().repeat_interleave(group, dim=1)   # [keys, H, D]
-        v = cache[blocks, 1, torch.from_numpy(pos % bs)].double().repeat_interleave(group, dim=1)
-        w = (torch.einsum("hd,khd->hk", q[i].double(), k) * scale).softmax(-1)
-        out.append(torch.einsum("hk,khd->hd", w, v))
-    return torch.stack(out).float()
 
 
 def _paths(layout, cache, q, scale, monkeypatch):
