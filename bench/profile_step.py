@@ -256,8 +256,10 @@ def run_workload(args) -> dict:
 
 def prefill_to_decode(engine, n: int, max_tokens: int) -> None:
     """Add n requests and step until every one of them is decoding."""
-    from runtime.sampling_params import SamplingParams
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    from runtime.sampling_params import RequestOutputKind, SamplingParams
+    # FINAL_ONLY, as LLM.generate asks for: the decode steps are then the offline path's.
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                        output_kind=RequestOutputKind.FINAL_ONLY)
     for p in make_workload(n, 64, 256, TINY_LLAMA["vocab_size"], seed=1):
         engine.add_request(engine.make_request({"prompt_token_ids": p}, sp))
     sched = engine.scheduler

@@ -28,7 +28,7 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.request import Request, RequestStatus
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import RequestOutputKind, SamplingParams
 from runtime.scheduler import Scheduler
 
 log = logging.getLogger("zooinfer")
@@ -210,6 +210,8 @@ class Engine:
 
     # ------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
+        """Run one iteration. Returns an output for each request that got a token this step
+        (a FINAL_ONLY request only when it finishes)."""
         so = self.scheduler.schedule()
         if so.is_empty:
             # Only removals (and maybe fork copies) this step: the runner still applies them.
@@ -235,7 +237,8 @@ class Engine:
                     req.stop_reason = stop
             elif detok is not None:
                 detok.update(req.output_token_ids[-1])
-            outputs.append(self._make_output(req))
+            if req.status.finished or req.sampling_params.output_kind == RequestOutputKind.CUMULATIVE:
+                outputs.append(self._make_output(req))
         return outputs
 
     def _convert_logprobs(self, req: Request) -> None:

@@ -1,6 +1,7 @@
 """`LLM`: offline batch generation in vLLM's shape."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ from runtime.beam_search import BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
-from runtime.sampling_params import SamplingParams
+from runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -46,6 +47,11 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} sampling params")
+        # Only finished outputs are read here: ask the engine for nothing else (the caller's
+        # objects stay untouched; shared params are replaced once).
+        final: dict[int, SamplingParams] = {}
+        params = [final.setdefault(id(sp), dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY))
+                  if isinstance(sp, SamplingParams) else sp for sp in params]
         engine = self.engine
         # Validate everything before scheduling anything: one bad prompt leaves no work behind.
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]

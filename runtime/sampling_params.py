@@ -1,7 +1,19 @@
 """SamplingParams: how one request samples and when it stops (vLLM's field names)."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs `Engine.step` returns for a request (vLLM's names and values).
+
+    CUMULATIVE: one after every step that gave the request a token, holding everything so far
+    (streaming). FINAL_ONLY: one when the request finishes; offline `LLM.generate` uses it,
+    because building a cumulative output for every running request every step copies each
+    request's tokens once per step (quadratic in the output length) for nobody to read."""
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass(slots=True)
@@ -20,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None     # return this many top logprobs per token (+ the sampled one)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -58,6 +71,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative token ids")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
             bad("logprobs", "must be an integer in [0, 20]")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", "must be a RequestOutputKind")
 
     @property
     def greedy(self) -> bool:

@@ -285,13 +285,16 @@ class Scheduler:
         """
         updated: list[Request] = []
         rounds_done: list[BeamSearchGroup] = []
+        bs = self.kv.block_size
         for rid, num in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
             if req is None:   # aborted while the step ran
                 continue
             req.num_computed_tokens += num
-            if self.kv.enable_caching:   # publish blocks that just became full and computed
-                extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
+            # Publish blocks that just became full and computed: only a step that crossed a block
+            # boundary has any (a decode does so once per block_size steps).
+            if self.kv.enable_caching and req.num_computed_tokens // bs != (req.num_computed_tokens - num) // bs:
+                extend_block_hashes(req.block_hashes, req.all_token_ids, bs, req.cache_salt)
                 self.kv.cache_blocks(rid, req.block_hashes, req.num_computed_tokens)
             if req.num_computed_tokens == self._fork_point(req):
                 self._release_forks(req)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from runtime.sampling_params import RequestOutputKind
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +30,33 @@ def test_stop_token_ids_and_min_tokens(tiny):
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=12, min_tokens=12,
                                                   stop_token_ids=[stop_at]), use_tqdm=False)[0].outputs[0]
     assert len(out.token_ids) == 12 and stop_at not in out.token_ids and out.finish_reason == "length"
+
+
+def test_output_kinds(tiny):
+    """CUMULATIVE: an output after every step that gave the request a token; FINAL_ONLY: only
+    the finished one, equal to the cumulative stream's last. LLM.generate asks for FINAL_ONLY
+    without touching the caller's params."""
+    llm = LLM(tiny)
+    engine = llm.engine
+    seen = {}
+    for kind in RequestOutputKind:
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=kind)
+        engine.add_request(engine.make_request(PROMPTS[1], sp, request_id=kind.name))
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    cum, final = seen["CUMULATIVE"], seen["FINAL_ONLY"]
+    assert [len(o.outputs[0].token_ids) for o in cum] == [1, 2, 3, 4, 5, 6]
+    assert [o.finished for o in cum] == [False] * 5 + [True]
+    assert len(final) == 1 and final[0].finished
+    assert final[0].outputs[0].token_ids == cum[-1].outputs[0].token_ids
+    assert final[0].outputs[0].finish_reason == "length"
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    out = llm.generate(PROMPTS[1], sp, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == cum[-1].outputs[0].token_ids
+    assert sp.output_kind == RequestOutputKind.CUMULATIVE
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=1)
 
 
 def test_max_model_len_caps_output(tiny):

@@ -44,6 +44,18 @@ def test_identical_prompt_leaves_one_token_to_compute(tiny_hf):
     assert llm.kv_cache_stats()["prefix_cache_hits"] == 32      # the last block is recomputed
 
 
+def test_blocks_filled_while_decoding_are_published(tiny_hf):
+    """Decode publishes a block on the step that fills it (hashing is skipped on the other
+    steps): a prompt that repeats a finished request's prompt + output hits every full block."""
+    llm = LLM(tiny_hf("llama")[0])
+    p = _ids(10, seed=12)
+    # 10 + 39 - 1 = 48 computed tokens: the last step fills block 3 and the request ends there.
+    out = _gen(llm, [p], SamplingParams(temperature=0, max_tokens=39, ignore_eos=True))[0]
+    assert llm.kv_cache_stats()["cached_blocks"] == 3
+    _gen(llm, [p + out[:38] + _ids(5, seed=13)])
+    assert llm.kv_cache_stats()["prefix_cache_hits"] == 48
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "mistral", "gemma3"])
 def test_greedy_equal_with_caching_on_and_off(tiny_hf, family):
     path, _ = tiny_hf(family)
