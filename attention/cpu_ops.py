@@ -140,3 +140,20 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
         q = q.contiguous()
     torch.ops.zooinfer_cpu.paged_prefill(q, kv_cache, block_table, rows, query_start, query_lens, seq_lens,
                                          0 if window is None else int(window), float(scale), out)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Store k[t], v[t] (`[tokens, kv_heads, head_dim]`, the cache's dtype) at cache slot
+    slots[t] (int64, block * block_size + offset) of one layer's contiguous CPU cache
+    `[blocks, 2, block_size, kv_heads, head_dim]`, in one pass. k and v may be strided views
+    (e.g. of the qkv projection) as long as each token's row is contiguous. Returns False,
+    writing nothing, when the kernel does not apply (library off or missing, other layouts);
+    the caller then writes with torch."""
+    def rows_ok(x: torch.Tensor) -> bool:
+        return (x.dim() == 3 and x.dtype == kv_cache.dtype and x.device.type == "cpu" and x.stride(2) == 1
+                and (x.shape[1] == 1 or x.stride(1) == x.shape[2]))
+    if not (kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and slots.dtype == torch.int64
+            and rows_ok(k) and rows_ok(v) and available()):
+        return False
+    torch.ops.zooinfer_cpu.write_kv(kv_cache, k, v, slots)
+    return True

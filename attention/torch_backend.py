@@ -204,9 +204,11 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape   # [blocks, K|V, block, heads, dim]
         # Write this step's keys and values: one token's K is one row of the cache seen as
         # [blocks * 2 * block_size, kv_heads * head_dim], its V `block_size` rows further on.
-        slabs = kv_cache.view(-1, num_kv_heads * head_dim)
-        slabs.index_copy_(0, meta.kv_rows, k.reshape(num_tokens, -1).to(kv_cache.dtype))
-        slabs.index_copy_(0, meta.kv_rows + block_size, v.reshape(num_tokens, -1).to(kv_cache.dtype))
+        # On CPU `cpu_ops.write_kv` does both rows in one pass, straight from strided k / v.
+        if not cpu_ops.write_kv(kv_cache, k, v, meta.slot_mapping):
+            slabs = kv_cache.view(-1, num_kv_heads * head_dim)
+            slabs.index_copy_(0, meta.kv_rows, k.reshape(num_tokens, -1).to(kv_cache.dtype))
+            slabs.index_copy_(0, meta.kv_rows + block_size, v.reshape(num_tokens, -1).to(kv_cache.dtype))
         out = torch.empty_like(q)
         parts = meta.parts
         d = meta.decodes

@@ -133,7 +133,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention_op()(q, k, v.contiguous(), kv_cache, self.layer_id, self.scale)
+        o = paged_attention_op()(q, k, v, kv_cache, self.layer_id, self.scale)   # v: a strided view; backends take it
         o = o.view(-1, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)

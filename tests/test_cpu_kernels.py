@@ -115,6 +115,56 @@ def test_bad_inputs_raise_one_line():
                              out.double())
 
 
+def _kv_inputs(tokens, kv_heads, dim, dtype, blocks=40, bs=16, seed=0):
+    """A NaN-filled cache, k contiguous, v a strided view of a [tokens, q | k | v] projection,
+    and distinct random slots."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.full((blocks, 2, bs, kv_heads, dim), float("nan"), dtype=dtype)
+    qkv = torch.randn(tokens, (4 + 2) * kv_heads * dim, generator=g).to(dtype)
+    k = qkv[:, 4 * kv_heads * dim:5 * kv_heads * dim].contiguous().view(tokens, kv_heads, dim)
+    v = qkv[:, 5 * kv_heads * dim:].view(tokens, kv_heads, dim)
+    slots = torch.randperm(blocks * bs, generator=g)[:tokens]
+    return cache, k, v, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,kv_heads,dim,threads", [(7, 2, 16, 1), (1, 1, 64, 1), (300, 3, 32, 2)])
+def test_write_kv_matches_index_copy(dtype, tokens, kv_heads, dim, threads):
+    """Exactly the torch path's bytes (K at slot, V block_size rows on), nothing else touched,
+    from a strided v; 300 tokens on 2 threads split the work."""
+    cache, k, v, slots = _kv_inputs(tokens, kv_heads, dim, dtype)
+    assert tokens == 1 or not v.is_contiguous()
+    want = cache.clone()
+    bs = cache.shape[2]
+    rows = slots + (slots // bs) * bs
+    slabs = want.view(-1, kv_heads * dim)
+    slabs.index_copy_(0, rows, k.reshape(tokens, -1))
+    slabs.index_copy_(0, rows + bs, v.reshape(tokens, -1))
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert cpu_ops.write_kv(cache, k, v, slots)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(cache.isnan(), want.isnan())
+    assert torch.equal(cache.nan_to_num(), want.nan_to_num())
+
+
+def test_write_kv_bad_inputs():
+    cache, k, v, slots = _kv_inputs(5, 2, 16, torch.float32)
+    with pytest.raises(RuntimeError, match="token 3 has slot 640 outside \\[0, 640\\)"):
+        torch.ops.zooinfer_cpu.write_kv(cache, k, v, torch.tensor([0, 1, 2, 640, 4]))
+    with pytest.raises(RuntimeError, match="one int64 slot per token"):
+        torch.ops.zooinfer_cpu.write_kv(cache, k, v, slots[:4])
+    with pytest.raises(RuntimeError, match="k must be a CPU tensor of the cache's dtype"):
+        torch.ops.zooinfer_cpu.write_kv(cache, k.double(), v, slots)
+    before = cache.clone()
+    # Layouts the kernel does not take: the wrapper declines (the caller writes with torch).
+    assert not cpu_ops.write_kv(cache, k.transpose(0, 1).contiguous().transpose(0, 1), v, slots)
+    assert not cpu_ops.write_kv(cache, k, v, slots.to(torch.int32))
+    assert torch.equal(cache.isnan(), before.isnan())
+
+
 def test_build_failure_warns_once_and_falls_back(monkeypatch):
     """No compiler: one warning, `available()` False from then on, the backend plans the
     sparse path; the env switch turns the kernels off without building."""
@@ -145,6 +195,9 @@ def test_llm_greedy_same_with_kernel_on_and_off(spec, monkeypatch):
     for name in calls:
         kernel = getattr(cpu_ops, name)
         monkeypatch.setattr(cpu_ops, name, lambda *a, _k=kernel, _c=calls[name]: _c.append(1) or _k(*a))
+    written = []    # write_kv's results: it declines (False) when the kernels are off
+    write_kv = cpu_ops.write_kv
+    monkeypatch.setattr(cpu_ops, "write_kv", lambda *a: written.append(write_kv(*a)) or written[-1])
     params = SamplingParams(temperature=0, max_tokens=30)
     tokens = {}
     for budget in (2048, 16):
@@ -152,7 +205,9 @@ def test_llm_greedy_same_with_kernel_on_and_off(spec, monkeypatch):
         for env in ("1", "0"):
             monkeypatch.setenv("ZOOINFER_CPU_KERNELS", env)
             before = {name: len(c) for name, c in calls.items()}
+            n_written = len(written)
             tokens[env, budget] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
             assert all((len(c) > before[name]) == (env == "1") for name, c in calls.items())
+            assert len(written) > n_written and set(written[n_written:]) == {env == "1"}
     assert tokens["1", 2048] == tokens["0", 2048] == tokens["1", 16] == tokens["0", 16]
     assert len({t for toks in tokens["0", 2048] for t in toks}) > 5     # the model does not collapse to one token
