@@ -35,9 +35,12 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             x = x * self.spec.embedding_multiplier
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache)
+        if residual is None:
+            return self.norm(x)
+        return self.norm.add_forward(x, residual, self.layers[-1].delta_multiplier)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

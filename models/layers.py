@@ -198,8 +198,8 @@ class DecoderLayer(nn.Module):
     attention (full or sliding) or a state layer (mamba2, gated_deltanet). With sandwich
     norms (Gemma 2/3) each sub-block's output is normed too before the residual add:
     x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x))).
-    Each residual add in the middle of the block runs fused with the norm that follows it
-    (`RMSNorm.add_forward`), vLLM style."""
+    Every residual add runs fused with the norm that follows it (`RMSNorm.add_forward`), vLLM
+    style: the block's last add happens in the next layer's input norm (or the final norm)."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, kind: str = "full_attention"):
         super().__init__()
@@ -235,11 +235,24 @@ class DecoderLayer(nn.Module):
             return self.self_attn(positions, h, cache)
         return run_state_mixer(self.mixer, self.layer_id, h, cache)
 
-    def forward(self, positions, x, kv_cache):
-        h = self._mix(positions, self.input_layernorm(x), kv_cache)
+    @property
+    def delta_multiplier(self) -> float:
+        """What the delta this layer returns is scaled by when added to the residual stream."""
+        return 1.0 if self.sandwich else self.residual_multiplier
+
+    def forward(self, positions, x, residual, kv_cache):
+        """Returns (delta, residual): the residual stream without this layer's last sub-block
+        output, and that output (`delta`). The caller adds `delta * delta_multiplier` in the next
+        norm (the next layer's input norm, or the final norm) in one fused pass, as vLLM does.
+        The first layer gets the embeddings as `x` and residual None."""
+        if residual is None:
+            h = self.input_layernorm(x)
+            residual = x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual, self.delta_multiplier)
+        h = self._mix(positions, h, kv_cache)
         if self.sandwich:
-            h, x = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), x)
-            return x + self.post_feedforward_layernorm(self.mlp(h))
-        m = self.residual_multiplier
-        h, x = self.post_attention_layernorm.add_forward(h, x, m)
-        return x + self.mlp(h) * m if m != 1.0 else x + self.mlp(h)
+            h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, self.residual_multiplier)
+        return self.mlp(h), residual
