@@ -258,24 +258,26 @@ class ModelRunner:
     def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
         b = self.batch
         temperature = b.temperature[rows]
-        top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
         all_greedy = not temperature.any()
         banned = None
-        output_len = b.num_tokens[rows] - b.num_prompt_tokens[rows]
-        young = np.flatnonzero(output_len < b.min_tokens[rows])
-        if len(young):
+        min_tokens = b.min_tokens[rows]
+        if min_tokens.any():   # stop tokens stay banned until a request has min_tokens outputs
+            young = np.flatnonzero(b.num_tokens[rows] - b.num_prompt_tokens[rows] < min_tokens)
             pairs = [(i, t) for i in young.tolist() for t in b.stop_ids[rows[i]]]
             if pairs:
                 r, t = zip(*pairs)
                 banned = (torch.tensor(r), torch.tensor(t))
         k = int(b.logprobs[rows].max())
-        return SamplingMetadata(
-            temperature=torch.from_numpy(temperature).to(self.device),
-            top_k=None if all_greedy or not top_k.any() else torch.from_numpy(top_k).to(self.device),
-            top_p=None if all_greedy or (top_p >= 1).all() else torch.from_numpy(top_p).to(self.device),
-            min_p=None if all_greedy or not min_p.any() else torch.from_numpy(min_p).to(self.device),
-            generators={} if all_greedy else b.row_generators(rows),
-            all_greedy=all_greedy, banned=banned, max_logprobs=None if k < 0 else k)
+        meta = SamplingMetadata(temperature=torch.from_numpy(temperature).to(self.device), top_k=None, top_p=None,
+                                min_p=None, generators={}, all_greedy=all_greedy, banned=banned,
+                                max_logprobs=None if k < 0 else k)
+        if not all_greedy:   # the filters only matter to sampled rows
+            top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
+            meta.top_k = torch.from_numpy(top_k).to(self.device) if top_k.any() else None
+            meta.top_p = torch.from_numpy(top_p).to(self.device) if (top_p < 1).any() else None
+            meta.min_p = torch.from_numpy(min_p).to(self.device) if min_p.any() else None
+            meta.generators = b.row_generators(rows)
+        return meta
 
     def _logprobs(self, out, req_ids: list[str], rows: np.ndarray) -> dict[str, dict] | None:
         if out.logprobs is None:
