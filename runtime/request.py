@@ -17,7 +17,7 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self >= 3   # FINISHED_STOPPED (a plain int compare: this runs per request per step)
+        return self >= RequestStatus.FINISHED_STOPPED
 
     @property
     def finish_reason(self) -> str | None:
