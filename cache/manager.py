@@ -368,7 +368,10 @@ class KVCacheManager:
         """
         for m in self.managers:
             m.remove_skipped_blocks(request_id, num_computed_tokens)
-        if not self.can_fit(self.num_blocks_needed(request_id, num_tokens)):
+        need = self.num_blocks_needed(request_id, num_tokens)
+        if not need:   # the held blocks cover the tokens (most decode steps)
+            return [[] for _ in self.managers]
+        if not self.can_fit(need):
             return None
         return [[b.block_id for b in m.allocate_new_blocks(request_id, num_tokens)]
                 for m in self.managers]

@@ -196,7 +196,8 @@ class Scheduler:
                     break
             if new_ids is None:
                 break
-            out.new_block_ids[req.request_id] = new_ids
+            if any(new_ids):   # most decode steps fit the blocks a request already holds
+                out.new_block_ids[req.request_id] = new_ids
             out.num_scheduled_tokens[req.request_id] = num_new
             self._maybe_checkpoint(req, num_new)
             budget -= num_new
