@@ -92,7 +92,8 @@ class _DecodePattern:
 @dataclass(slots=True)
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
-    kv_rows: torch.Tensor       # [num_tokens] cache slab row of each token's key (value: + block_size)
+    kv_rows: torch.Tensor | None  # [num_tokens] cache slab row of each token's key (value: + block_size);
+                                  # made by the first layer that writes with torch (write_kv needs none)
     parts: list[_Part]
     decodes: _Decodes | None
     prefills: _Prefills | None
@@ -176,9 +177,6 @@ class TorchAttentionBackend(AttentionBackend):
         q_lens = layout.query_lens
         decode = np.flatnonzero(q_lens == 1)
         rest = np.flatnonzero(q_lens > 1)
-        slots = layout.slot_mapping.numpy()
-        bs = layout.block_size
-        kv_rows = torch.from_numpy(slots + (slots // bs) * bs)   # block * 2B + offset: K of the token
         decodes = None
         if len(decode) and device.type == "cpu":
             decodes = _Decodes(token_index=torch.from_numpy(layout.query_start_loc[decode].astype(np.int64)).to(device),
@@ -196,7 +194,7 @@ class TorchAttentionBackend(AttentionBackend):
                                                     as_long(layout.seq_lens[rest]), layout.sliding_window))
         elif len(rest):
             parts = [_make_part(layout, rest, device)]
-        return TorchAttentionMetadata(slot_mapping=layout.slot_mapping.to(device), kv_rows=kv_rows.to(device),
+        return TorchAttentionMetadata(slot_mapping=layout.slot_mapping.to(device), kv_rows=None,
                                       parts=parts, decodes=decodes, prefills=prefills, layout=layout, device=device)
 
     def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
@@ -206,6 +204,9 @@ class TorchAttentionBackend(AttentionBackend):
         # [blocks * 2 * block_size, kv_heads * head_dim], its V `block_size` rows further on.
         # On CPU `cpu_ops.write_kv` does both rows in one pass, straight from strided k / v.
         if not cpu_ops.write_kv(kv_cache, k, v, meta.slot_mapping):
+            if meta.kv_rows is None:   # block * 2B + offset: the K row of each token
+                s = meta.slot_mapping
+                meta.kv_rows = s + (s // block_size) * block_size
             slabs = kv_cache.view(-1, num_kv_heads * head_dim)
             slabs.index_copy_(0, meta.kv_rows, k.reshape(num_tokens, -1).to(kv_cache.dtype))
             slabs.index_copy_(0, meta.kv_rows + block_size, v.reshape(num_tokens, -1).to(kv_cache.dtype))
