@@ -21,7 +21,9 @@ phases are exact without syncs. A step splits into
 - sample:   the rest of `execute` (LM head on the sampled rows, sampler, write-back)
 - update:   the rest of `Engine.step` (`Scheduler.update`, outputs, detokenizer)
 and engine overhead = everything but the forward (the LM head is counted in `sample`, and
-shown on its own as `lm_head`, since it is model compute that only the sampled rows need).
+shown on its own as `lm_head`, since it is model compute that only the sampled rows need;
+when a greedy step takes its tokens from the fused head kernel, `CausalLM.greedy_tokens`,
+`lm_head` includes that kernel's argmax).
 
 `--against REF` runs every measurement twice in the same process, alternating: once as
 the tree is, once with the torch attention backend and the sampler as they were at git
@@ -127,8 +129,17 @@ class StepTimer:
                 self._cur.lm_head += clock() - t0
             return out
 
+        orig_greedy = runner.model.greedy_tokens
+
+        def greedy_tokens(hidden):   # the fused LM head + argmax: counted as the LM head
+            t0 = clock()
+            out = orig_greedy(hidden)
+            if self._cur is not None:
+                self._cur.lm_head += clock() - t0
+            return out
+
         engine.step, sched.schedule, runner.execute, runner.forward = step, schedule, execute, forward
-        runner.model.compute_logits = compute_logits
+        runner.model.compute_logits, runner.model.greedy_tokens = compute_logits, greedy_tokens
 
     def reset(self) -> None:
         self.records.clear()

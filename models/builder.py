@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
+from models import fused
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from models.spec import ModelSpec
 
@@ -45,6 +46,18 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
         return logits / self.spec.logits_scaling if self.spec.logits_scaling != 1.0 else logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """`compute_logits(hidden).argmax(-1)`, exactly, through the fused CPU kernel that never
+        writes the logits; None where it does not apply, and the caller computes the logits:
+        no panel copy of the LM head (`prepack_linears` makes one), not fp32 CPU, a row count
+        outside `fused.GREEDY_ROWS`, or a scaled or biased head (scaling can round two logits
+        into a tie that the raw products do not have)."""
+        head = self.lm_head
+        if (getattr(head, "kind", None) != "panel" or head.bias is not None or self.spec.logits_scaling != 1.0
+                or hidden.shape[0] not in fused.GREEDY_ROWS or not fused.use_kernel(hidden)):
+            return None
+        return fused.linear_argmax(hidden, head.packed, head.out_features)
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
         """What cache each layer needs, by layer id."""

@@ -18,6 +18,12 @@ from attention import cpu_ops
 
 ENABLED = True
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}   # activation name -> the act_mul kernel's `kind`
+# Row counts for which `linear_argmax` (attention/cpu_kernels/linear_argmax.cpp) beats the LM
+# head product + argmax on this project's bench machine (2 threads, tiny Llama and SmolLM2
+# heads): 24-128 rows, 15-35% faster. Fewer rows leave most of its 16-token vector lanes
+# empty and the product is a weight stream, where the panel kernel is as fast; more rows
+# need a pass over the weight per 64 rows.
+GREEDY_ROWS = range(24, 129)
 
 
 def use_kernel(*tensors: torch.Tensor) -> bool:
@@ -45,6 +51,13 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for gate_up = [tokens, 2 * I] (gate first); activation in ACTIVATIONS."""
     return torch.ops.zooinfer_cpu.act_mul(gate_up, ACTIVATIONS[activation])
+
+
+def linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """`(x @ W.T).argmax(-1)` without the logits (first index of the maximum, NaN wins, as
+    torch.argmax); x [M, K], W [n, K] given as its column panels (`prepack.pack_panels`).
+    Returns int64 [M]."""
+    return torch.ops.zooinfer_cpu.linear_argmax(x, panels, n)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

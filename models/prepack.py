@@ -33,6 +33,11 @@ Under torch.compile the packed product runs as the opaque custom op `zooinfer::p
 (dynamo cannot trace an MKL-DNN tensor nor the C++ op's choice), which finds the packed
 weight by key.
 
+The LM head gets panels whatever the model's kind (when the kernel library is built): greedy
+steps then take their tokens straight from its panels (`linear_argmax`, see
+`CausalLM.greedy_tokens`), which beats MKL's product plus an argmax even where the weights
+stay cached.
+
 Memory: the packed copy is as large as the weight (panels: plus the padding of N to a multiple
 of 32; MKL: the allocation is larger but its tail is never touched), and the original stays
 (ties, state dicts, large products and fallbacks use it), so packed linears take twice their
@@ -193,10 +198,13 @@ def choose_kind(weight_bytes: int) -> str | None:
     return "mkl" if mkl else None
 
 
-def prepack_linears(model: nn.Module, kind: str | None = None) -> int:
+def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None = "lm_head") -> int:
     """Replace every CPU float32 `nn.Linear` of `model` with a `PackedLinear`; returns how
     many were packed. `kind` None: `choose_kind` by the model's total linear weight bytes.
-    A no-op (0) when neither the kernel library nor MKL is available."""
+    The linear named `head` on `model` itself gets panels whatever the kind, when the kernel
+    library is built: greedy steps take their tokens from those panels without logits
+    (`linear_argmax`), and the head is the largest weight, streamed every step, where panels
+    lose little to MKL even in cache. A no-op (0) when neither the library nor MKL exists."""
     if not supported():
         return 0
     targets = [(parent, name, child) for parent in model.modules()
@@ -209,7 +217,8 @@ def prepack_linears(model: nn.Module, kind: str | None = None) -> int:
             return 0
     packed, failed = 0, []
     for parent, name, child in targets:
-        p = _pack(child, kind)
+        is_head = parent is model and name == head and cpu_ops.available()
+        p = _pack(child, "panel" if is_head else kind)
         if p is None:
             if child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
                 failed.append(name)

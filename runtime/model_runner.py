@@ -22,7 +22,7 @@ from attention.state import StatePlan
 from cache.kv_cache_spec import KVCacheConfig, StateSpec
 from models.builder import CausalLM
 from runtime.input_batch import InputBatch
-from runtime.sampler import Sampler, SamplingMetadata
+from runtime.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
 
 
@@ -244,8 +244,15 @@ class ModelRunner:
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput({}, None)
-        logits = self.model.compute_logits(hidden[logits_index])
-        out = self.sampler(logits, self._sampling_metadata(sample_rows))
+        meta = self._sampling_metadata(sample_rows)
+        hidden = hidden[logits_index]
+        greedy = None
+        if meta.all_greedy and meta.banned is None and meta.max_logprobs is None:
+            greedy = self.model.greedy_tokens(hidden)   # LM head + argmax, no logits (CPU kernel)
+        if greedy is not None:
+            out = SamplerOutput(token_ids=greedy)
+        else:
+            out = self.sampler(self.model.compute_logits(hidden), meta)
 
         tokens = out.token_ids.cpu().numpy()
         n = b.num_tokens[sample_rows]

@@ -1,0 +1,209 @@
+// Greedy tokens straight from the LM head: out[m] = argmax_n (x[m] . W[n]) for fp32 x [M, K]
+// and the LM head weight W [N, K] in the column panels of panel_gemm.cpp (P [ceil(N/32), K, 32],
+// zero-padded past N), without writing logits. Ties and NaN follow
+// `torch.argmax(x @ W.T, -1)`: the first index of the maximum, a NaN counting as the maximum
+// (the first NaN wins).
+//
+// Why: in a greedy decode step of 64 requests on the tiny Llama (vocab 32000, hidden 256) the
+// LM head plus argmax took ~5.5 ms: MKL's packed sgemm ran at ~190 GFLOP/s for 64 rows, then
+// wrote 8 MB of logits that the argmax read back from L3/DRAM. Here the product is computed
+// transposed, vocab rows by tokens, so the tokens are the vector lanes: a register tile holds
+// R vocab rows x 16*MV tokens, and the argmax is a per-lane compare-and-select on the finished
+// tile (no horizontal reduction, nothing written).
+//
+// Blocking: x is transposed once per call into xT [K, 16*MV] (64 tokens: 64 KB, L2). For each
+// block of KB k steps of a panel (8 KB, contiguous), the panel's 32/R row tiles reuse that
+// 16 KB block of xT from L1, keeping partial sums in a per-panel scratch between blocks
+// (without the k blocking every tile re-reads all of xT from L2). The panels are read once, in
+// address order, and each block prefetches the next one, R/16 lines per k step, so the weight
+// streams from DRAM at full rate while the FMA units work (row-major W, read a few rows at a
+// time, lost ~1 ms of a step to DRAM stalls in the engine). Threads split the panels into
+// contiguous ranges; their per-lane winners are merged in vocab order, so the first index wins.
+//
+// More than 64 rows go in equal blocks of at most 64, each a pass over W.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+
+namespace {
+
+typedef float vf16 __attribute__((vector_size(64)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+inline vf16 load(const float* p) {
+  vf16 v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf16 splat(float s) { return vf16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+inline vi16 splati(int32_t s) { return vi16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
+
+constexpr int64_t NR = 32;   // panel width (panel_gemm.cpp)
+constexpr int64_t KB = 64;   // k steps per block: 8 KB of panel, 16 KB of xT for 64 tokens
+constexpr int MAX_MV = 4;    // 64 tokens per pass
+
+// The running winner of each token lane: value and vocab index.
+struct Best {
+  vf16 val[MAX_MV];
+  vi16 idx[MAX_MV];
+};
+
+// Fold vocab row n's values v (one vector per 16 tokens) into the winners: replace on a
+// strictly larger value, or on the first NaN (a NaN winner is never replaced).
+template <int MV>
+inline void fold(Best& b, const vf16* v, int32_t n) {
+  const vi16 nv = splati(n);
+  for (int j = 0; j < MV; ++j) {
+    const vi16 upd = (v[j] > b.val[j]) | ((v[j] != v[j]) & (b.val[j] == b.val[j]));
+    b.val[j] = upd ? v[j] : b.val[j];
+    b.idx[j] = upd ? nv : b.idx[j];
+  }
+}
+
+// Rows [c, c+R) of a panel (`p` points at its column c) over k steps [k0, k1). FIRST: start
+// from zero, else from `scratch`; LAST: fold the first `valid` rows into the winners, else
+// store the partial sums to `scratch`. `pf` walks the next block: R/16 lines per k step.
+template <int MV, int R, bool FIRST, bool LAST>
+inline void tile(const float* __restrict p, const float* __restrict xt, int64_t k0, int64_t k1, int32_t n0,
+                 int valid, vf16* __restrict scratch, Best& best, const char*& pf, const char* pf_end) {
+  vf16 acc[R][MV];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < MV; ++j) acc[r][j] = FIRST ? splat(0.f) : scratch[r * MV + j];
+  for (int64_t k = k0; k < k1; ++k) {
+    const int lines = static_cast<int>(((k + 1) * R) / 16 - (k * R) / 16);
+    for (int i = 0; i < lines && pf < pf_end; ++i, pf += 64) __builtin_prefetch(pf, 0, 3);
+    vf16 xv[MV];
+    for (int j = 0; j < MV; ++j) xv[j] = load(xt + k * 16 * MV + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      const vf16 a = splat(p[k * NR + r]);
+      for (int j = 0; j < MV; ++j) acc[r][j] += a * xv[j];
+    }
+  }
+  if (!LAST) {
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < MV; ++j) scratch[r * MV + j] = acc[r][j];
+    return;
+  }
+  for (int r = 0; r < R && r < valid; ++r) fold<MV>(best, acc[r], n0 + r);
+}
+
+// Panels [pb, pe) into `best`; N is the true row count (the last panel may be padded).
+template <int MV, int R>
+void run(const float* panels, int64_t N, int64_t K, const float* xt, int64_t pb, int64_t pe, Best& best) {
+  vf16 scratch[NR * MV];
+  const char* pf = reinterpret_cast<const char*>(panels + pb * K * NR);
+  const char* pf_end = reinterpret_cast<const char*>(panels + pe * K * NR);
+  pf += std::min<int64_t>(KB * NR * sizeof(float), pf_end - pf);   // block 0 is read first; prefetch from block 1
+  for (int64_t q = pb; q < pe; ++q) {
+    const float* panel = panels + q * K * NR;
+    for (int64_t k0 = 0; k0 < K; k0 += KB) {
+      const int64_t k1 = std::min(K, k0 + KB);
+      const bool first = k0 == 0, last = k1 == K;
+      for (int64_t c = 0; c < NR; c += R) {
+        vf16* s = scratch + c * MV;
+        const auto n0 = static_cast<int32_t>(q * NR + c);
+        const int valid = static_cast<int>(std::min<int64_t>(R, N - n0));
+        if (valid <= 0) break;   // padding past N
+        const float* p = panel + c;
+        if (first && last) tile<MV, R, true, true>(p, xt, k0, k1, n0, valid, s, best, pf, pf_end);
+        else if (first) tile<MV, R, true, false>(p, xt, k0, k1, n0, valid, s, best, pf, pf_end);
+        else if (last) tile<MV, R, false, true>(p, xt, k0, k1, n0, valid, s, best, pf, pf_end);
+        else tile<MV, R, false, false>(p, xt, k0, k1, n0, valid, s, best, pf, pf_end);
+      }
+    }
+  }
+}
+
+// Rows per tile for MV token vectors (R divides the panel width; R * MV accumulators).
+// 4 rows at 64 tokens: 8 rows would need all 32 zmm registers for the sums alone.
+constexpr int rows_per_tile(int mv) { return mv == 1 ? 16 : mv == 4 ? 4 : 8; }
+
+template <int MV>
+void block(const float* panels, int64_t N, int64_t K, const float* xt, int64_t rows, int64_t* out) {
+  constexpr int R = rows_per_tile(MV);
+  const int64_t np_ = (N + NR - 1) / NR;
+  const int nt = at::get_num_threads();
+  std::vector<Best> bests(nt);
+  std::vector<int64_t> starts(nt, -1);   // first panel of each thread's range (-1: no range)
+  at::parallel_for(0, np_, 1, [&](int64_t b, int64_t e) {
+    const int tid = at::get_thread_num();
+    Best& best = bests[tid];
+    for (int j = 0; j < MV; ++j) {
+      best.val[j] = splat(-std::numeric_limits<float>::infinity());
+      best.idx[j] = splati(static_cast<int32_t>(b * NR));   // all -inf: the range's first row wins
+    }
+    starts[tid] = b;
+    run<MV, R>(panels, N, K, xt, b, e, best);
+  });
+  std::vector<int> order;   // threads by vocab range, so ties keep the first index
+  for (int t = 0; t < nt; ++t)
+    if (starts[t] >= 0) order.push_back(t);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return starts[a] < starts[b]; });
+  for (int64_t m = 0; m < rows; ++m) {
+    float bv = 0.f;
+    int64_t bi = -1;
+    for (int t : order) {
+      const float v = bests[t].val[m / 16][m % 16];
+      if (bi < 0 || v > bv || (v != v && bv == bv)) {
+        bv = v;
+        bi = bests[t].idx[m / 16][m % 16];
+      }
+    }
+    out[m] = bi;
+  }
+}
+
+at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "linear_argmax: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.scalar_type() == at::kFloat &&
+                  panels.is_contiguous() && panels.device().is_cpu(),
+              "linear_argmax: panels must be a contiguous float32 CPU tensor [ceil(N/32), K, 32], got ",
+              panels.sizes());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(panels.size(1) == K, "linear_argmax: x has K=", K, " but panels have K=", panels.size(1));
+  TORCH_CHECK(n > 0 && n < (int64_t(1) << 31) && (n + NR - 1) / NR == panels.size(0), "linear_argmax: n=", n,
+              " does not match ", panels.size(0), " panels");
+  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
+  if (M == 0) return out;
+  const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t ldx = xc.stride(0);
+  const float* pp = panels.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  std::vector<float> xt_buf(static_cast<size_t>(K) * 16 * MAX_MV + 16);
+  float* xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xt_buf.data()) + 63) & ~uintptr_t(63));
+  // Blocks of at most 64 rows, of equal size (65 rows: 33 + 32, not 64 + 1).
+  const int64_t nblocks = (M + 16 * MAX_MV - 1) / (16 * MAX_MV);
+  const int64_t per_block = (M + nblocks - 1) / nblocks;
+  for (int64_t m0 = 0; m0 < M; m0 += per_block) {
+    const int64_t rows = std::min<int64_t>(per_block, M - m0);
+    const int mv = static_cast<int>((rows + 15) / 16);
+    const int64_t lanes = 16 * mv;
+    for (int64_t k = 0; k < K; ++k) {   // xT [K, lanes], zero past the block's rows
+      float* dst = xt + k * lanes;
+      for (int64_t m = 0; m < rows; ++m) dst[m] = xp[(m0 + m) * ldx + k];
+      for (int64_t m = rows; m < lanes; ++m) dst[m] = 0.f;
+    }
+    switch (mv) {
+      case 1: block<1>(pp, n, K, xt, rows, op + m0); break;
+      case 2: block<2>(pp, n, K, xt, rows, op + m0); break;
+      case 3: block<3>(pp, n, K, xt, rows, op + m0); break;
+      default: block<4>(pp, n, K, xt, rows, op + m0); break;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
+  m.def("linear_argmax(Tensor x, Tensor panels, int n) -> Tensor");
+  m.impl("linear_argmax", c10::DispatchKey::CPU, TORCH_FN(linear_argmax));
+}
