@@ -75,8 +75,9 @@ def test_kernel_matches_sparse_padded_and_reference(heads, kv_heads, dim, window
 
 def test_strided_queries_scattered_tokens_and_threads():
     """q as a strided view (a slice of a fused qkv buffer), decodes at scattered token slots of
-    a larger batch (only those slots of `out` are written), and the (request, kv head) split
-    that runs when there are fewer decodes than threads."""
+    a larger batch (only those slots of `out` are written), requests shared out longest first
+    between two threads, and the (request, kv head) split that runs when there are fewer
+    decodes than threads."""
     heads, kv_heads, dim = 6, 2, 24
     layout, cache, q = _batch(heads, kv_heads, dim, [33, 7, 80], window=None, seed=3)
     ref = _reference(layout, cache, q, 0.3)
@@ -88,7 +89,7 @@ def test_strided_queries_scattered_tokens_and_threads():
     table, rows, seq_lens = layout.block_table, torch.arange(3), torch.from_numpy(layout.seq_lens.astype(np.int64))
     threads = torch.get_num_threads()
     try:
-        for n_threads in (1, 4):                           # 4 > 3 decodes: split by kv head
+        for n_threads in (1, 2, 4):   # 2: requests taken longest first from a shared counter; 4 > 3 decodes: split by kv head
             torch.set_num_threads(n_threads)
             out = torch.full((8, heads, dim), 7.0)
             cpu_ops.paged_decode(q_view, cache, table, rows, token_index, seq_lens, None, 0.3, out)

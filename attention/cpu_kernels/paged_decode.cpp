@@ -19,6 +19,7 @@
 #include "vec_exp.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -272,15 +273,29 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
                 " outside the block table or q");
   }
   // Work items: whole requests when there are enough to keep every thread busy (a request's
-  // pages then stream once for all its heads), else (request, kv head) pairs.
+  // pages then stream once for all its heads), else (request, kv head) pairs. Threads take
+  // items from a shared counter, longest first: with a static split by count, a thread whose
+  // share holds the longer contexts keeps streaming alone (at one core's DRAM rate) after
+  // the other is done.
   const int64_t split = n >= at::get_num_threads() ? 1 : s.kv_heads;
   const int64_t heads_per_item = s.kv_heads / split;
+  const int64_t items = n * split;
+  std::vector<int64_t> order(items);
+  for (int64_t k = 0; k < items; ++k) order[k] = k;
+  auto cost = [&](int64_t item) {
+    const int64_t len = lp[item / split];
+    return window > 0 ? std::min(len, window) : len;
+  };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next{0};
   const float sc = static_cast<float>(scale);
-  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scratch(heads_per_item * s.group * (2 * s.dim + s.block_size + 10));
     auto* fn = s.dim == 16 ? decode_one<16> : s.dim == 32 ? decode_one<32> : s.dim == 64 ? decode_one<64>
              : s.dim == 128 ? decode_one<128> : decode_one<0>;   // other dims: runtime loops
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t k = next.fetch_add(1); k < items; k = next.fetch_add(1)) {
+      const int64_t item = order[k];
       const int64_t i = item / split, h0 = (item % split) * heads_per_item;
       fn(qp, cp, bp, rp[i], tp[i], lp[i], window, sc, op, s, h0, h0 + heads_per_item, scratch.data());
     }
