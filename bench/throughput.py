@@ -27,7 +27,9 @@ EOS ignored. Every engine is fed token ids, never text.
 
 All engines are loaded and warmed up first, then timed alternately over `--rounds` rounds (the
 order flips each round so drift on a shared machine hits all). The table shows output tokens/s
-(median, min-max), the ratio of each engine to ours, the load average, and how many outputs of
+(median, min-max), the ratio of each engine to ours, ours' speedup over each engine paired
+round by round (the two runs of a round are adjacent in time, so machine drift cancels), the
+load average, and how many outputs of
 each engine equal HF's greedy tokens exactly (first round; batched padded HF greedy can differ
 from unpadded in rare near-ties). It ends with the workload's matrix FLOPs, the GFLOP/s each
 engine reached, and that as a fraction of the fp32 torch.mm rate measured here at the same
@@ -308,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.min_prompt < 1 or args.max_prompt < args.min_prompt or args.rounds < 1:
         ap.error("need 1 <= min-prompt <= max-prompt and rounds >= 1")
 
-    from bench.peers.compare import agreement, gemm_shapes, measure_gemm_rate, summarize, workload_flops
+    from bench.peers.compare import (agreement, gemm_shapes, measure_gemm_rate, paired_speedup, summarize,
+                                     workload_flops)
     torch.set_num_threads(args.threads)
     engines_wanted = choose_engines(args.engines, args.peers)
     load_start = os.getloadavg()
@@ -416,6 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<9}{row['median_out_tok_s']:>10.1f}{mm:>15}{ratio:>8}{statistics.median(row['seconds']):>9.2f}"
               f"{eq:>8}{row['gflops']:>9.1f}{100 * row['fraction_of_mm_peak']:>6.1f}  {row['version']}")
     print(f"agreement: outputs identical to {ref_name}'s (round 1), out of {args.requests}")
+    if "ours" in times:
+        for name, ts in times.items():
+            if name != "ours":
+                rows[name]["paired_speedup"] = p = paired_speedup(times["ours"], ts)
+                print(f"ours vs {name}, paired by round: {p['median']:.2f}x median ({p['min']:.2f}-{p['max']:.2f})")
     print(f"workload matrix FLOPs: {flops['total'] / 1e9:.1f} G (body {flops['linear'] / 1e9:.1f} over "
           f"{flops['body_tokens']} tokens, LM head {flops['lm_head'] / 1e9:.1f} over {flops['sampled_tokens']} "
           f"sampled tokens, attention {flops['attention'] / 1e9:.1f})")

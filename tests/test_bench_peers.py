@@ -13,7 +13,7 @@ import pytest
 
 from bench.peers import HERE
 from bench.peers.client import PeerError, PeerProcess
-from bench.peers.compare import _attended_keys, agreement, gemm_shapes, summarize, workload_flops
+from bench.peers.compare import _attended_keys, agreement, gemm_shapes, paired_speedup, summarize, workload_flops
 
 LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000)
@@ -76,6 +76,13 @@ def test_agreement_counts_and_prefixes():
     assert a["mean_common_prefix"] == pytest.approx((3 + 1 + 0) / 3)
     with pytest.raises(ValueError, match="2 outputs vs 3"):
         agreement(got[:2], ref)
+
+
+def test_paired_speedup_is_per_round():
+    p = paired_speedup([1.0, 2.0, 1.5], [1.5, 2.0, 3.0])    # the other engine's seconds / ours, round by round
+    assert p["per_round"] == [1.5, 1.0, 2.0] and p["median"] == 1.5 and (p["min"], p["max"]) == (1.0, 2.0)
+    with pytest.raises(ValueError, match="rounds"):
+        paired_speedup([1.0], [1.0, 2.0])
 
 
 def test_summarize_median_and_spread():

@@ -16,6 +16,17 @@ def summarize(seconds: list[float], out_tokens: int) -> dict:
             "min_out_tok_s": min(tps), "max_out_tok_s": max(tps)}
 
 
+def paired_speedup(ours_seconds: list[float], other_seconds: list[float]) -> dict:
+    """Ours' speedup over another engine round by round (its seconds / ours, both timed in the
+    same round, minutes apart at most): median, min, max. On a shared machine whose speed
+    drifts over minutes, pairs taken close in time cancel most of the drift that the ratio of
+    the two medians keeps."""
+    if len(ours_seconds) != len(other_seconds) or not ours_seconds:
+        raise ValueError(f"paired_speedup: {len(ours_seconds)} vs {len(other_seconds)} rounds")
+    ratios = [o / s for s, o in zip(ours_seconds, other_seconds)]
+    return {"per_round": ratios, "median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
 def agreement(got: list[list[int]], ref: list[list[int]]) -> dict:
     """How many outputs equal the reference exactly, and the common prefix lengths."""
     if len(got) != len(ref):
