@@ -66,13 +66,17 @@ def _build() -> None:
     except ImportError:
         pass
     errors = []
+    # torch rebuilds when a source's text or the flags change; the headers' digest is a flag,
+    # so a change to a shared header (panels.h, vec_exp.h, ...) rebuilds too.
+    headers = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(_SOURCES.glob("*.h")))).hexdigest()[:12]
     for name, arch in (("zooinfer_cpu_native", ["-march=native"]), ("zooinfer_cpu", [])):
         build_dir = _build_root() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
             cpp_extension.load(name=name, sources=sorted(str(f) for f in _SOURCES.glob("*.cpp")),
                                build_directory=str(build_dir),
-                               extra_cflags=["-O3", "-fopenmp", *arch], extra_ldflags=["-fopenmp"],
+                               extra_cflags=["-O3", "-fopenmp", *arch, f"-DZOOINFER_HEADERS={headers}"],
+                               extra_ldflags=["-fopenmp"],
                                is_python_module=False, verbose=False)
             return
         except Exception as e:   # noqa: BLE001 - any build failure means "use the fallback"

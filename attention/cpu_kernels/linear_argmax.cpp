@@ -25,26 +25,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "panels.h"
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-
 namespace {
 
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+using namespace zooinfer_panels;
 
-inline vf16 load(const float* p) {
-  vf16 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf16 splat(float s) { return vf16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-inline vi16 splati(int32_t s) { return vi16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
-
-constexpr int64_t NR = 32;   // panel width (panel_gemm.cpp)
 constexpr int64_t KB = 64;   // k steps per block: 8 KB of panel, 16 KB of xT for 64 tokens
 constexpr int MAX_MV = 4;    // 64 tokens per pass
 
@@ -160,16 +151,9 @@ void block(const float* panels, int64_t N, int64_t K, const float* xt, int64_t r
 }
 
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "linear_argmax: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.scalar_type() == at::kFloat &&
-                  panels.is_contiguous() && panels.device().is_cpu(),
-              "linear_argmax: panels must be a contiguous float32 CPU tensor [ceil(N/32), K, 32], got ",
-              panels.sizes());
+  check_inputs("linear_argmax", x, panels, n);
+  TORCH_CHECK(n > 0, "linear_argmax: the weight has no rows");
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(panels.size(1) == K, "linear_argmax: x has K=", K, " but panels have K=", panels.size(1));
-  TORCH_CHECK(n > 0 && n < (int64_t(1) << 31) && (n + NR - 1) / NR == panels.size(0), "linear_argmax: n=", n,
-              " does not match ", panels.size(0), " panels");
   at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
   if (M == 0) return out;
   const at::Tensor xc = x.stride(1) == 1 ? x : x.contiguous();

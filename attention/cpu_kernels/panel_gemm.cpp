@@ -34,25 +34,18 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "panels.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-typedef float vf16 __attribute__((vector_size(64)));
+using namespace zooinfer_panels;
 
-constexpr int64_t NR = 32;     // panel width: two 16-float vectors
 constexpr int MR = 12;         // rows of x per register tile: 24 accumulators
 constexpr int64_t KB = 64;     // k steps per block: 8 KB of panel, reused from L1 by every row tile
-
-inline vf16 load(const float* p) {
-  vf16 v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void store(float* p, vf16 v) { __builtin_memcpy(p, &v, sizeof v); }
-inline vf16 splat(float s) { return vf16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
 // acc[R rows, 32] += x[R rows, k0:k1] @ panel[k0:k1, :]; acc rows are NR floats apart.
 template <int R, bool PREFETCH>
@@ -98,15 +91,8 @@ inline void tile_rows(int rows, const float* x, int64_t ldx, const float* panel,
 
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                         const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "panel_linear: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == NR && panels.scalar_type() == at::kFloat &&
-                  panels.is_contiguous() && panels.device().is_cpu(),
-              "panel_linear: panels must be a contiguous float32 CPU tensor [ceil(N/32), K, 32], got ",
-              panels.sizes());
+  check_inputs("panel_linear", x, panels, n);
   const int64_t M = x.size(0), K = x.size(1), np_ = panels.size(0);
-  TORCH_CHECK(panels.size(1) == K, "panel_linear: x has K=", K, " but panels have K=", panels.size(1));
-  TORCH_CHECK(n >= 0 && (n + NR - 1) / NR == np_, "panel_linear: n=", n, " does not match ", np_, " panels");
   const float* b = nullptr;
   at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
