@@ -23,7 +23,8 @@ streams them from DRAM, MKL packed when they stay cached and the products are co
   packed weight only when the row count equals its `prepack_batch_size` argument; MKL's packed
   layout for B does not depend on the row count (same size for every M, equal results for M
   from 1 to 2048), so we pass the actual row count on every call. 1.2-2x faster than
-  `F.linear` for 32-64-row products, equal for 2048-row ones.
+  `F.linear` for 32-64-row products, 5-7% at 128-256 rows; from 512 rows (prefill chunks)
+  `F.linear` is 1-5% faster, so products above `MKL_MAX_ROWS` run it on the original weight.
 
 Each packed weight is checked right after packing against `F.linear` at several row counts
 (for MKL the row-count reuse is an observation, not a documented promise); a weight that fails
@@ -61,6 +62,7 @@ _keys = itertools.count()
 _CHECK_ROWS = (1, 3, 17, 64)
 NR = 32                     # panel width (panel_gemm.cpp: two 16-float vectors)
 PANEL_MAX_ROWS = 64         # products of more rows run F.linear (streamed: panels win up to 64 rows, lose at 96+)
+MKL_MAX_ROWS = 256          # likewise for MKL packing: 5-7% faster at 128-256 rows, 1-5% slower from 512 (tiny Llama)
 
 
 def _last_level_cache_bytes() -> int:
@@ -113,6 +115,8 @@ def _packed_matmul(x: torch.Tensor, kind: str, packed: torch.Tensor, weight: tor
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if kind == "mkl":
+        if rows > MKL_MAX_ROWS:
+            return F.linear(x, weight, bias)
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
     if rows > PANEL_MAX_ROWS:
         return F.linear(x, weight, bias)

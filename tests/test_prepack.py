@@ -100,6 +100,25 @@ def test_panel_kind_uses_f_linear_above_the_row_threshold(monkeypatch):
     assert calls == [4]
 
 
+@pytest.mark.skipif(not prepack.mkl_supported(), reason="no MKL packed GEMM in this torch build")
+def test_mkl_kind_uses_f_linear_above_the_row_threshold(monkeypatch):
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 40)
+    packed = PackedLinear(lin, *prepack._pack(lin, "mkl"))
+    monkeypatch.setattr(prepack, "MKL_MAX_ROWS", 4)
+    calls = []
+    real = torch.ops.mkl._mkl_linear
+    monkeypatch.setattr(torch.ops.mkl, "_mkl_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    with torch.no_grad():
+        for rows in (4, 5):
+            x = torch.randn(rows, 48)
+            got = packed(x)
+            torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+            if rows > 4:
+                assert torch.equal(got, F.linear(x, lin.weight, lin.bias))
+    assert calls == [4]
+
+
 @needs_kernels
 def test_panels_pack_without_mkl(monkeypatch):
     monkeypatch.setattr(prepack, "mkl_supported", lambda: False)
