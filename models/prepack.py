@@ -220,8 +220,9 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
         if kind is None:
             return 0
     packed, failed = 0, []
+    head_on_panels = head is not None and cpu_ops.available()
     for parent, name, child in targets:
-        is_head = parent is model and name == head and cpu_ops.available()
+        is_head = head_on_panels and parent is model and name == head
         p = _pack(child, "panel" if is_head else kind)
         if p is None:
             if child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:

@@ -119,31 +119,30 @@ template <int MV>
 void block(const float* panels, int64_t N, int64_t K, const float* xt, int64_t rows, int64_t* out) {
   constexpr int R = rows_per_tile(MV);
   const int64_t np_ = (N + NR - 1) / NR;
-  const int nt = at::get_num_threads();
-  std::vector<Best> bests(nt);
-  std::vector<int64_t> starts(nt, -1);   // first panel of each thread's range (-1: no range)
-  at::parallel_for(0, np_, 1, [&](int64_t b, int64_t e) {
-    const int tid = at::get_thread_num();
-    Best& best = bests[tid];
-    for (int j = 0; j < MV; ++j) {
-      best.val[j] = splat(-std::numeric_limits<float>::infinity());
-      best.idx[j] = splati(static_cast<int32_t>(b * NR));   // all -inf: the range's first row wins
+  // One contiguous panel range per chunk, chunk c before chunk c + 1 in the vocab, so merging
+  // the chunks' winners in chunk order keeps the first index among ties (whichever thread ran
+  // which chunk).
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), np_));
+  std::vector<Best> bests(chunks);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t b = np_ * c / chunks, e = np_ * (c + 1) / chunks;
+      Best& best = bests[c];
+      for (int j = 0; j < MV; ++j) {
+        best.val[j] = splat(-std::numeric_limits<float>::infinity());
+        best.idx[j] = splati(static_cast<int32_t>(b * NR));   // all -inf: the range's first row wins
+      }
+      run<MV, R>(panels, N, K, xt, b, e, best);
     }
-    starts[tid] = b;
-    run<MV, R>(panels, N, K, xt, b, e, best);
   });
-  std::vector<int> order;   // threads by vocab range, so ties keep the first index
-  for (int t = 0; t < nt; ++t)
-    if (starts[t] >= 0) order.push_back(t);
-  std::sort(order.begin(), order.end(), [&](int a, int b) { return starts[a] < starts[b]; });
   for (int64_t m = 0; m < rows; ++m) {
-    float bv = 0.f;
-    int64_t bi = -1;
-    for (int t : order) {
-      const float v = bests[t].val[m / 16][m % 16];
-      if (bi < 0 || v > bv || (v != v && bv == bv)) {
+    float bv = bests[0].val[m / 16][m % 16];
+    int64_t bi = bests[0].idx[m / 16][m % 16];
+    for (int64_t c = 1; c < chunks; ++c) {
+      const float v = bests[c].val[m / 16][m % 16];
+      if (v > bv || (v != v && bv == bv)) {
         bv = v;
-        bi = bests[t].idx[m / 16][m % 16];
+        bi = bests[c].idx[m / 16][m % 16];
       }
     }
     out[m] = bi;
