@@ -105,6 +105,12 @@ def available() -> bool:
     return _state["ok"]
 
 
+def amx_available() -> bool:
+    """Whether the library was built with AMX tiles and the OS lets this process use them
+    (`screened_argmax` needs both; otherwise it runs the fp32 `linear_argmax`)."""
+    return available() and bool(torch.ops.zooinfer_cpu.amx_available())
+
+
 def build_seconds() -> float | None:
     """Seconds the first `available()` spent building or loading the library (None before)."""
     return _state.get("seconds")

@@ -48,14 +48,20 @@ class CausalLM(nn.Module):
         return logits / self.spec.logits_scaling if self.spec.logits_scaling != 1.0 else logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """`compute_logits(hidden).argmax(-1)`, exactly, through the fused CPU kernel that never
-        writes the logits; None where it does not apply, and the caller computes the logits:
-        no panel copy of the LM head (`prepack_linears` makes one), not fp32 CPU, a row count
-        outside `fused.GREEDY_ROWS`, or a scaled or biased head (scaling can round two logits
-        into a tie that the raw products do not have)."""
+        """`compute_logits(hidden).argmax(-1)`, exactly, through a fused CPU kernel that never
+        writes the logits: `screened_argmax` when the head has a bf16 screen (AMX), else
+        `linear_argmax` for row counts in `fused.GREEDY_ROWS`. None where neither applies, and
+        the caller computes the logits: no panel copy of the LM head (`prepack_linears` makes
+        one), not fp32 CPU, or a scaled or biased head (scaling can round two logits into a
+        tie that the raw products do not have)."""
         head = self.lm_head
         if (getattr(head, "kind", None) != "panel" or head.bias is not None or self.spec.logits_scaling != 1.0
-                or hidden.shape[0] not in fused.GREEDY_ROWS or not fused.use_kernel(hidden)):
+                or not fused.use_kernel(hidden)):
+            return None
+        rows = hidden.shape[0]
+        if head.screen is not None and rows in fused.SCREENED_ROWS:
+            return fused.screened_argmax(hidden, head.packed, head.out_features, head.screen)
+        if rows not in fused.GREEDY_ROWS:
             return None
         return fused.linear_argmax(hidden, head.packed, head.out_features)
 

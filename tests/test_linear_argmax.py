@@ -104,6 +104,7 @@ def test_prepack_puts_the_head_on_panels_whatever_the_kind(tiny_hf):
 
 
 def test_greedy_tokens_gate(tiny_hf, monkeypatch):
+    monkeypatch.setattr(fused, "SCREENED_ROWS", range(0))   # the bf16 screen's gate: test_screened_argmax
     model = _head_model(tiny_hf)
     h = torch.randn(40, model.spec.hidden_size)
     with torch.inference_mode():
@@ -132,6 +133,7 @@ def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch):
     real = fused.linear_argmax
     monkeypatch.setattr(fused, "linear_argmax", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    monkeypatch.setattr(fused, "SCREENED_ROWS", range(0))
     outs, on = {}, fused.GREEDY_ROWS
     for rows in (on, range(0)):
         monkeypatch.setattr(fused, "GREEDY_ROWS", rows)
