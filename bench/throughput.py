@@ -14,9 +14,11 @@ EOS ignored. Every engine is fed token ids, never text.
   Prefix caching is off unless `--prefix-caching`: rounds repeat the same prompts, and a cache
   kept from the previous round would time cache hits, not generation.
 - hf:    `AutoModelForCausalLM.generate`, static batches of `--hf-batch` in input order, left
-  padding with an attention mask, greedy, default (sdpa) attention, float32; in this process.
+  padding with an attention mask, greedy, default (sdpa) attention, float32.
 - hf-cb: transformers continuous batching `generate_batch` with an explicit
-  `ContinuousBatchingConfig` (its default sizes the cache at 90% of RAM); in this process.
+  `ContinuousBatchingConfig` (its default sizes the cache at 90% of RAM).
+  Both run in a process of their own with this venv's python (`bench/peers/run_hf.py`), like
+  the peers below: run in this process, one HF round left ours ~20% slower for the rest of it.
 - vllm, openvino, llamacpp, ct2: each in its own venv (`python -m bench.peers.setup`), driven
   as a subprocess (`bench.peers.client`) that loads the model once, warms up, then runs one
   round per request from here; between its rounds its process group is stopped (SIGSTOP) so
@@ -142,61 +144,6 @@ class Ours:
         return [o.outputs[0].token_ids for o in outs]
 
 
-class HF:
-    name = "hf"
-
-    def __init__(self, hf_dir: Path, batch: int):
-        from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-        cfg = self.model.config
-        pad = cfg.pad_token_id
-        if pad is None:
-            eos = cfg.eos_token_id
-            pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
-        self.pad = int(pad)
-        self.batch = batch
-
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        results: list[list[int]] = []
-        for start in range(0, len(prompts), self.batch):
-            chunk = prompts[start:start + self.batch]
-            width = max(len(p) for p in chunk)
-            ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, p in enumerate(chunk):   # left padding
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
-            out = self.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                      max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                                      pad_token_id=self.pad, num_beams=1)
-            results.extend(out[:, width:].tolist())
-        return results
-
-
-class HFContinuous:
-    """transformers' own continuous batching (`generate_batch`), paged cache sized explicitly:
-    its default takes 90% of RAM and gets the process killed on a shared machine."""
-    name = "hf-cb"
-
-    def __init__(self, hf_dir: Path, max_tokens_per_request: int, requests: int):
-        from transformers import AutoModelForCausalLM, ContinuousBatchingConfig
-        self.model = AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=torch.float32).eval()
-        page = 256
-        blocks = requests * -(-max_tokens_per_request // page) + 8
-        self.cb_config = ContinuousBatchingConfig(page_size=page, num_blocks=blocks, max_batch_tokens=2048,
-                                                  max_requests_per_batch=64, allow_block_sharing=False)
-
-    @torch.inference_mode()
-    def run(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-        from transformers import GenerationConfig
-        gc = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-        out = self.model.generate_batch(inputs=prompts, generation_config=gc,
-                                        continuous_batching_config=self.cb_config, progress_bar=False)
-        return [o.generated_tokens for o in out.values()]
-
-
 def model_key(hf_dir: Path) -> str:
     """Name of a peer's converted copy: the checkpoint dir's name plus a digest of its config and
     weight files' sizes and times, so a rebuilt checkpoint gets converted again."""
@@ -216,20 +163,21 @@ class Peer:
     """A peer engine in its own venv and process (`bench.peers.client.PeerProcess`)."""
 
     def __init__(self, name: str, hf_dir: Path, model_key: str, prompts, new_tokens: int, threads: int,
-                 max_model_len: int):
+                 max_model_len: int, python: str | None = None, options: dict | None = None):
         from bench.peers import converted_dir
         from bench.peers.client import PeerProcess
         self.name = name
         workload = {"model_dir": str(hf_dir), "prompts": prompts, "new_tokens": new_tokens, "threads": threads,
                     "max_num_seqs": 64, "max_num_batched_tokens": 2048,
                     "warmup_prompts": prompts[:4], "warmup_new_tokens": min(4, new_tokens),
-                    "options": {"cache_dir": str(converted_dir(name, model_key)), "max_model_len": max_model_len}}
+                    "options": {"cache_dir": str(converted_dir(name, model_key)), "max_model_len": max_model_len,
+                                **(options or {})}}
         env = {k: str(threads) for k in PEER_THREAD_ENV}
         bind = "0" if threads == 1 else f"0-{threads - 1}"
         env.update(VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", bind),
                    VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
                    HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        self.proc = PeerProcess(name, workload, env)
+        self.proc = PeerProcess(name, workload, env, python=python)
         self.version = self.proc.ready.get("version", "?")
         self.load_s = self.proc.ready["load_s"] + self.proc.ready["warmup_s"]
         self.last_seconds = None
@@ -264,14 +212,15 @@ def profile_ours(ours: Ours, prompts, new_tokens: int, seconds: float, top: int 
     return f"cProfile of ours: {runs} run(s), {time.perf_counter() - t0:.1f} s\n" + buf.getvalue()
 
 
-IN_PROCESS = ("ours", "ours-compiled", "hf", "hf-cb")
+IN_PROCESS = ("ours", "ours-compiled")
+HF_PEERS = ("hf", "hf-cb")   # the project venv's python, in a process of their own (bench/peers/run_hf.py)
 
 
 def choose_engines(engines_arg: str | None, peers_arg: str | None) -> list[str]:
     """`--engines` names the exact list; otherwise ours plus `--peers`, or by default plus hf and
     every venv peer whose setup finished."""
     from bench.peers import VENV_PEERS, is_installed
-    known = IN_PROCESS + VENV_PEERS
+    known = IN_PROCESS + HF_PEERS + VENV_PEERS
     if engines_arg:
         names = [e.strip() for e in engines_arg.split(",") if e.strip()]
     elif peers_arg is not None:
@@ -340,12 +289,12 @@ def main(argv: list[str] | None = None) -> int:
                 elif name == "ours-compiled":   # beside eager "ours" in the same run
                     eng = Ours(path, args.max_model_len, args.prefix_caching, True, name=name)
                     versions[name] = "zooinfer compiled"
-                elif name == "hf":
-                    eng = HF(hf_dir, args.hf_batch)
-                    versions[name] = f"transformers {__import__('transformers').__version__} batch {args.hf_batch}"
-                elif name == "hf-cb":
-                    eng = HFContinuous(hf_dir, args.max_prompt + args.new_tokens, args.requests)
-                    versions[name] = f"transformers {__import__('transformers').__version__} generate_batch"
+                elif name in HF_PEERS:
+                    options = ({"mode": "cb", "max_tokens_per_request": args.max_prompt + args.new_tokens}
+                               if name == "hf-cb" else {"mode": "generate", "batch": args.hf_batch})
+                    eng = Peer(name, hf_dir, model_key(hf_dir), prompts, args.new_tokens, args.threads, peer_len,
+                               python=sys.executable, options=options)
+                    versions[name] = eng.version
                 else:
                     from bench.peers.client import PeerError
                     try:

@@ -6,7 +6,8 @@ never inside the repo and never a dependency of the project: their pins (torch, 
 fight ours and each other's. ``python -m bench.peers.setup`` builds them; a runner script in
 this folder is then started with the peer's own python as a subprocess (see ``protocol``).
 
-HF transformers ``generate`` and ``generate_batch`` run in the project venv itself.
+HF transformers ``generate`` and ``generate_batch`` run with the project venv's own python,
+in a runner process of their own like the others (``run_hf.py``).
 """
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ RUNNERS = {
     "openvino": "run_openvino.py",
     "llamacpp": "run_llamacpp.py",
     "ct2": "run_ct2.py",
+    "hf": "run_hf.py",
+    "hf-cb": "run_hf.py",
 }
 VENV_PEERS = ("vllm", "openvino", "llamacpp", "ct2")   # the ones that need their own venv
 MARKER = ".zooinfer-peer-ok"
