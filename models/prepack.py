@@ -153,6 +153,23 @@ def make_screen(w: torch.Tensor, chunk_rows: int = 4096) -> Bf16Screen | None:
     return Bf16Screen(pack_bf16_tiles(w), *norms)
 
 
+def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> Bf16Screen | None:
+    """`make_screen(w)` if `screened_argmax` on it returns `linear_argmax`'s tokens for random
+    rows (as packed weights are checked against `F.linear`), else None with a warning."""
+    screen = make_screen(w)
+    if screen is None:
+        return None
+    x = torch.randn(max(_CHECK_ROWS), w.shape[1], generator=torch.Generator().manual_seed(0))
+    want = torch.ops.zooinfer_cpu.linear_argmax(x, panels, w.shape[0])
+    got = torch.ops.zooinfer_cpu.screened_argmax(x, screen.tiles, panels, w.shape[0], screen.w_norm,
+                                                 screen.wb_norm, screen.dw_norm)
+    if not torch.equal(got, want):
+        warnings.warn("the LM head's bf16 screen disagreed with its fp32 argmax; greedy steps use the fp32 "
+                      "kernel", RuntimeWarning, stacklevel=3)
+        return None
+    return screen
+
+
 def _panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.zooinfer_cpu.panel_linear(x, panels, n, bias)
 
@@ -256,7 +273,8 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
     The linear named `head` on `model` itself gets panels whatever the kind, when the kernel
     library is built: greedy steps take their tokens from those panels without logits
     (`linear_argmax`), and the head is the largest weight, streamed every step, where panels
-    lose little to MKL even in cache; with AMX it also gets a bf16 screen (`make_screen`). A no-op (0) when neither the library nor MKL exists."""
+    lose little to MKL even in cache; with AMX it also gets a bf16 screen (`make_screen`).
+    A no-op (0) when neither the library nor MKL exists."""
     if not supported():
         return 0
     targets = [(parent, name, child) for parent in model.modules()
@@ -278,7 +296,7 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
             continue
         linear = PackedLinear(child, *p)
         if is_head and cpu_ops.amx_available():
-            linear.screen = make_screen(child.weight.detach())
+            linear.screen = _checked_screen(child.weight.detach(), linear.packed)
         setattr(parent, name, linear)
         packed += 1
     if failed:

@@ -107,6 +107,22 @@ def test_make_screen_refuses_weights_without_a_bound():
     assert (s.w_norm, s.wb_norm, s.dw_norm) == (2.0, 2.0, 0.0) and tuple(s.tiles.shape) == (2, 1, 16, 32)
 
 
+def test_a_screen_that_disagrees_is_dropped(tiny_hf, monkeypatch):
+    """prepack checks the screen like packed weights: a wrong one (tiles negated) warns and the
+    head keeps only the fp32 kernel."""
+    import dataclasses
+
+    from models import prepack, resolve_spec
+    from models.builder import CausalLM
+    path, _ = tiny_hf("llama")
+    model = CausalLM(resolve_spec(str(path))).eval()
+    real = prepack.make_screen
+    monkeypatch.setattr(prepack, "make_screen", lambda w: dataclasses.replace(real(w), tiles=-real(w).tiles))
+    with pytest.warns(RuntimeWarning, match="bf16 screen disagreed"):
+        prepack_linears(model)
+    assert model.lm_head.kind == "panel" and model.lm_head.screen is None
+
+
 def test_model_uses_the_screen_for_any_rows(tiny_hf, monkeypatch):
     from models import resolve_spec
     from models.builder import CausalLM
