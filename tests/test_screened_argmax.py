@@ -34,6 +34,17 @@ def test_random_logits_same_as_fp32(rows, n, k):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("scale", [1e-6, 1e-2, 1.0, 1e4])
+@pytest.mark.parametrize("k", [33, 576, 1000])
+def test_any_scale_and_width_same_as_fp32(scale, k):
+    """The bound scales with |x| and the head's norms: tiny and huge logits, long rows."""
+    g = torch.Generator().manual_seed(k)
+    x, w = torch.randn(20, k, generator=g) * scale, torch.randn(3000, k, generator=g) * scale
+    w[::7] *= 3                                           # rows of different norms
+    got, want = _both(x, w)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_ties_go_to_the_first_index(threads):
     """Small integers: bf16 and fp32 are exact, every maximum is tied several times, across
