@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from attention import cpu_ops
+from models import fused
 from models.prepack import make_screen, pack_panels
 
 HEADS = {"tiny": (32000, 256), "smollm2": (49152, 576)}
@@ -49,13 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=g)
             paths = {
-                "fused": lambda: torch.ops.zooinfer_cpu.linear_argmax(x, panels, n),
+                "fused": lambda: fused.linear_argmax(x, panels, n),
                 "panels": lambda: torch.ops.zooinfer_cpu.panel_linear(x, panels, n, None).argmax(-1),
                 "F.linear": lambda: F.linear(x, w).argmax(-1),
             }
             if screen is not None:
-                paths = {"screened": lambda: torch.ops.zooinfer_cpu.screened_argmax(
-                    x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm, screen.dw_norm), **paths}
+                paths = {"screened": lambda: fused.screened_argmax(x, panels, n, screen), **paths}
             want = paths["fused"]()
             for name, f in paths.items():
                 got = f()

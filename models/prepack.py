@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from attention import cpu_ops
+from models import fused
 
 _PACKED: dict[int, tuple[str, torch.Tensor]] = {}    # key -> (kind, packed weight), for the compiled path
 _keys = itertools.count()
@@ -160,9 +161,8 @@ def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> Bf16Screen | None:
     if screen is None:
         return None
     x = torch.randn(max(_CHECK_ROWS), w.shape[1], generator=torch.Generator().manual_seed(0))
-    want = torch.ops.zooinfer_cpu.linear_argmax(x, panels, w.shape[0])
-    got = torch.ops.zooinfer_cpu.screened_argmax(x, screen.tiles, panels, w.shape[0], screen.w_norm,
-                                                 screen.wb_norm, screen.dw_norm)
+    want = fused.linear_argmax(x, panels, w.shape[0])
+    got = fused.screened_argmax(x, panels, w.shape[0], screen)
     if not torch.equal(got, want):
         warnings.warn("the LM head's bf16 screen disagreed with its fp32 argmax; greedy steps use the fp32 "
                       "kernel", RuntimeWarning, stacklevel=3)
