@@ -120,9 +120,13 @@ def test_greedy_tokens_gate(tiny_hf, monkeypatch):
         assert model.greedy_tokens(h) is None                 # scaling could round logits into a tie
 
 
-def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch):
-    """30 greedy requests decode together (rows in GREEDY_ROWS): tokens equal with the fused
-    head and with logits + sampler; requests that want logprobs or sample take the logits."""
+@pytest.mark.parametrize("op, gate", [("linear_argmax", "GREEDY_ROWS"), ("screened_argmax", "SCREENED_ROWS")])
+def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch, op, gate):
+    """30 greedy requests decode together: tokens equal with the fused head (the fp32 kernel, or
+    the bf16 screen where AMX is usable) and with logits + sampler; requests that want
+    logprobs take the logits."""
+    if op == "screened_argmax" and not cpu_ops.amx_available():
+        pytest.skip("no AMX")
     from runtime import LLM, SamplingParams
     path, _ = tiny_hf("llama")
     g = torch.Generator().manual_seed(1)
@@ -130,13 +134,14 @@ def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch):
                for n in torch.randint(1, 40, (30,), generator=g)]
     llm = LLM(str(path), max_num_batched_tokens=256)
     calls = []
-    real = fused.linear_argmax
-    monkeypatch.setattr(fused, "linear_argmax", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = getattr(fused, op)
+    monkeypatch.setattr(fused, op, lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    if op == "linear_argmax":
+        monkeypatch.setattr(fused, "SCREENED_ROWS", range(0))   # else the screen takes every step
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    monkeypatch.setattr(fused, "SCREENED_ROWS", range(0))
-    outs, on = {}, fused.GREEDY_ROWS
+    outs, on = {}, getattr(fused, gate)
     for rows in (on, range(0)):
-        monkeypatch.setattr(fused, "GREEDY_ROWS", rows)
+        monkeypatch.setattr(fused, gate, rows)
         outs[len(rows)] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert calls.count(30) >= 10 and all(n in on for n in calls)   # every decode step, and only with "on"
     assert outs[len(on)] == outs[0]
