@@ -8,10 +8,11 @@ unexpected tensors are reported by name in one line.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from models.builder import CausalLM
 from models.spec import ModelSpec
@@ -44,12 +45,30 @@ def checkpoint_dir(spec: ModelSpec) -> Path | None:
 def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise WeightError(f"{index}: not a valid safetensors index ({type(e).__name__}: {e})") from None
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise WeightError(f"{index}: lists files that are not there: {_fmt(missing)}")
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise WeightError(f"{path}: no *.safetensors files (only safetensors are loaded, never pickles)")
     return files
+
+
+@contextmanager
+def _open(file: Path):
+    """safe_open with its errors (not a safetensors file, truncated, corrupt header, a
+    tensor past the end) turned into one line naming the file."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except (SafetensorError, OSError) as e:
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise WeightError(f"{file}: not a readable safetensors file ({why})") from None
 
 
 def _fmt(names: list[str], limit: int = 5) -> str:
@@ -68,7 +87,7 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
     unexpected: list[str] = []
     tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
     for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        with _open(file) as f:
             for name in f.keys():
                 if name not in targets:
                     if name != tied_head and not name.endswith(_IGNORED_SUFFIXES):
@@ -76,7 +95,7 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
                     continue
                 param_name, offset, rows = targets[name]
                 param = params[param_name]
-                tensor = f.get_tensor(name)
+                tensor = f.get_tensor(name)   # a read past a truncated file raises in _open
                 if tensor.dim() == param.dim() - 1:   # fused experts [E, r, c] filled as [E * r, c]
                     param = param.view(-1, *param.shape[2:])
                 expected = (rows, *param.shape[1:])

@@ -56,6 +56,27 @@ def test_no_pickles_loaded(tiny_hf, tmp_path):
         LLM(ckpt)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "random", "empty", "header"])
+def test_unreadable_safetensors_is_one_line_naming_the_file(tiny_hf, tmp_path, damage):
+    ckpt = _copy_ckpt(tiny_hf, tmp_path)
+    file = ckpt / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes({"truncated": data[: len(data) // 2], "random": torch.randint(0, 256, (4096,),
+                      dtype=torch.uint8).numpy().tobytes(), "empty": b"",
+                      "header": data[:8] + b"{not json" + data[17:]}[damage])
+    with pytest.raises(WeightError) as e:
+        LLM(ckpt)
+    message = str(e.value)
+    assert message.startswith(f"{file}: not a readable safetensors file (") and "\n" not in message, message
+
+
+def test_index_listing_a_missing_shard(tiny_hf, tmp_path):
+    ckpt = _copy_ckpt(tiny_hf, tmp_path)
+    (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00002.safetensors"}}')
+    with pytest.raises(WeightError, match=r"index\.json: lists files that are not there: model-00002\.safetensors$"):
+        LLM(ckpt)
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_hf):
     path, _ = tiny_hf("llama")
