@@ -3,9 +3,10 @@
 The Engine is single-threaded by design, so every mutation (add, abort, step) happens on
 the engine thread: the HTTP side only enqueues commands and awaits per-request queues that
 the engine thread fills with `call_soon_threadsafe`. A client that goes away closes its
-output generator, which aborts the request and frees its blocks. If the engine thread dies,
-every waiting stream gets the error at once and `healthy` turns false: requests never hang
-on a dead engine.
+output generator, which aborts the request and frees its blocks. A failure that belongs to
+one request (admitting it, or its share of a step) fails that request alone. If the engine
+thread dies, every waiting stream gets the error at once and `healthy` turns false:
+requests never hang on a dead engine.
 """
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ log = logging.getLogger("zooinfer")
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+class RequestFailedError(RuntimeError):
+    """One request failed on the engine thread (not because of what the client sent); the
+    engine aborted it alone and goes on serving the others."""
 
 
 @dataclass(slots=True)
@@ -70,12 +76,13 @@ class AsyncEngine:
         return self.engine.kv_cache_stats()
 
     # ------------------------------------------------------------- asyncio side
-    async def add_request(self, prompt, params: SamplingParams, request_id: str
+    async def add_request(self, prompt, params: SamplingParams, request_id: str, cap_max_tokens: bool = True
                           ) -> tuple[Request, AsyncIterator[RequestOutput]]:
         """Validate and enqueue one request; returns it and its output stream.
 
         Validation (tokenizing included) runs on the engine thread, which owns the
-        tokenizer; a bad request raises ValueError here, before any response has started.
+        tokenizer; a bad request raises ValueError here, before any response has started,
+        and any other failure to admit it raises RequestFailedError (the engine lives on).
         The stream yields outputs as tokens arrive, the last with finished=True; closing it
         early (client gone, cancellation) aborts the request and frees its blocks.
         """
@@ -85,7 +92,7 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = stream
-        self._commands.put(("add", (prompt, params, request_id)))
+        self._commands.put(("add", (prompt, params, request_id, cap_max_tokens)))
         self._wake.set()
         try:
             first = await stream.queue.get()
@@ -96,7 +103,7 @@ class AsyncEngine:
             raise
         if isinstance(first, BaseException):
             self._streams.pop(request_id, None)
-            if isinstance(first, ValueError):
+            if isinstance(first, (ValueError, RequestFailedError)):
                 raise first
             raise EngineDeadError(f"engine failed: {first!r}") from first
         return first, self._outputs(request_id, stream)
@@ -109,6 +116,8 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine failed: {item!r}") from item
                 finished = item.finished
+                if item.error is not None:
+                    raise RequestFailedError(f"request failed: {item.error}")
                 yield item
                 if finished:
                     return
@@ -158,15 +167,20 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.update_engine_state(engine.kv_cache_stats())
 
-    def _add(self, prompt, params: SamplingParams, request_id: str) -> None:
+    def _add(self, prompt, params: SamplingParams, request_id: str, cap_max_tokens: bool) -> None:
         stream = self._streams.get(request_id)
         if stream is None:      # the client left before we got here
             return
         try:
-            request = self.engine.make_request(prompt, params, request_id)
-            self.engine.add_request(request, stream_text=True)
+            request = self.engine.make_request(prompt, params, request_id, cap_max_tokens=cap_max_tokens)
+            self.engine.add_request(request, stream_text=True)   # all or nothing
         except ValueError as e:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+            return
+        except Exception as e:  # noqa: BLE001 - this request's failure: refuse it, keep serving
+            log.exception("request %s could not be admitted", request_id)
+            failure = RequestFailedError(f"request could not be admitted: {type(e).__name__}: {e}")
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, failure)
             return
         stream.arrival = time.monotonic()
         if self.metrics is not None:

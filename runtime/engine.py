@@ -2,12 +2,13 @@
 
 `step()` is one iteration: schedule under the token budget, run the model on exactly the
 scheduled tokens, feed sampled tokens back to the scheduler, and turn what changed into
-RequestOutputs. Everything a user sends is validated in `add_request` before it touches
-the scheduler, so a bad request is a ValueError for that request, never a broken engine.
+RequestOutputs. Everything a user sends is validated in `make_request` before it touches
+the scheduler, so a bad request is a ValueError for that request, never a broken engine. A
+failure in one request's share of a step (logprobs, detokenizing, stop strings) finishes that
+request alone, with finish_reason "error"; only a failure of the step itself propagates.
 """
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -25,6 +26,7 @@ from models.loader import checkpoint_dir
 from runtime.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.limits import ParamError, check_text, is_int
 from runtime.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.request import Request, RequestStatus
@@ -117,66 +119,87 @@ class Engine:
 
     # ------------------------------------------------------------- requests
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) and "prompt_token_ids" not in prompt:
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]}")
-            text = prompt["prompt"]
-            return text, self.tokenizer.encode(text, add_special_tokens=prompt.get("add_special_tokens", True))
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
+            text, special = prompt["prompt"], prompt.get("add_special_tokens", True)
+        elif isinstance(prompt, str):
+            text, special = prompt, True
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) for t in ids):
-                raise ValueError("prompt_token_ids must be a list of ints")
+            if not isinstance(ids, (list, tuple)) or not all(is_int(t) for t in ids):
+                raise ParamError("prompt_token_ids must be a list of ints", "prompt")
             return prompt.get("prompt"), list(ids)
-        raise ValueError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+        else:
+            raise ParamError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}",
+                             "prompt")
+        if self.tokenizer is None:
+            raise ParamError("this model has no tokenizer: pass {'prompt_token_ids': [...]}", "prompt")
+        check_text(text, "prompt")
+        return text, self.tokenizer.encode(text, add_special_tokens=special)
 
-    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate one prompt + params into a Request (nothing is scheduled yet)."""
+    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                     cap_max_tokens: bool = True) -> Request:
+        """Validate one prompt + params into a Request (nothing is scheduled yet). Every
+        check that can fail because of what the caller sent happens here, so a request that
+        passes cannot break a step. A max_tokens beyond the room left in max_model_len is
+        capped to that room (`LLM`), or refused with cap_max_tokens=False (the server, as
+        vLLM's does)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        params.validate_for_model(self.spec.vocab_size)
         text, ids = self.tokenize(prompt)
         if not ids:
-            raise ValueError("prompt is empty")
+            raise ParamError("prompt is empty", "prompt")
         vocab = self.spec.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+            raise ParamError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}", "prompt")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             f"(room for at least one generated token is needed)")
+            raise ParamError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             f"(room for at least one generated token is needed)", "prompt")
         room = self.max_model_len - len(ids)
+        wanted = params.max_tokens if params.max_tokens is not None else params.min_tokens
+        if not cap_max_tokens and wanted > room:
+            name = "max_tokens" if params.max_tokens is not None else "min_tokens"
+            raise ParamError(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                             f"{len(ids)} prompt tokens + {wanted} {name} were requested; reduce the prompt "
+                             f"or {name}", name)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if request_id is None:
             request_id = str(next(self._next_id))
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and not isinstance(salt, str):
-            raise ValueError("cache_salt must be a string")
+            raise ParamError("cache_salt must be a string", "cache_salt")
+        if salt is not None:
+            check_text(salt, "cache_salt")
         return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text, cache_salt=salt)
 
     def add_request(self, request: Request, stream_text: bool = False) -> list[str]:
         """Schedule a request; with n > 1 it becomes n samples (ids: the request's, then
-        `<id>#1` ...), sample i seeded with seed + i. Returns the sample ids."""
+        `<id>#1` ...), sample i seeded with `sample_seed(seed, i)`. Returns the sample ids.
+        All or nothing: what can fail is built before the scheduler sees a sample, and a
+        sample the scheduler refuses takes the others back out."""
         p = request.sampling_params
         samples = [request]
         if p.n > 1:
-            for i in range(1, p.n):
-                sp = dataclasses.replace(p, n=1, seed=None if p.seed is None else p.seed + i)
-                samples.append(Request(f"{request.request_id}#{i}", request.prompt_token_ids, sp,
-                                       self.eos_token_ids, request.max_tokens, prompt=request.prompt,
-                                       cache_salt=request.cache_salt.decode() or None))
-            request.sampling_params = dataclasses.replace(p, n=1)
-        self.scheduler.add_request(request)
-        for child in samples[1:]:
-            self.scheduler.add_fork(child, request.request_id)
+            samples += [Request(f"{request.request_id}#{i}", request.prompt_token_ids, p.sample_params(i),
+                                self.eos_token_ids, request.max_tokens, prompt=request.prompt,
+                                cache_salt=request.cache_salt.decode() or None) for i in range(1, p.n)]
+            request.sampling_params = p.sample_params(0)
+        detoks = {}
         for s in samples:
             sp = s.sampling_params
             if self.tokenizer is not None and (sp.stop or stream_text):
-                self._detok[s.request_id] = IncrementalDetokenizer(
+                detoks[s.request_id] = IncrementalDetokenizer(
                     self.tokenizer, s.prompt_token_ids, sp.stop, sp.include_stop_str_in_output,
                     sp.skip_special_tokens)
+        try:
+            self.scheduler.add_request(request)
+            for child in samples[1:]:
+                self.scheduler.add_fork(child, request.request_id)
+        except BaseException:
+            self.scheduler.finish_requests([s.request_id for s in samples], RequestStatus.FINISHED_ABORTED)
+            raise
+        self._detok.update(detoks)
         return [s.request_id for s in samples]
 
     def make_beam_search(self, prompt, params: BeamSearchParams) -> tuple[Request, BeamSearchGroup]:
@@ -227,19 +250,40 @@ class Engine:
         updated = self.scheduler.update(so, result.sampled, result.logprobs)
         outputs = []
         for req in updated:
-            if req.logprobs is not None:
-                self._convert_logprobs(req)
-            detok = self._detok.get(req.request_id)
-            if detok is not None and not req.status.finished:
-                stop = detok.update(req.output_token_ids[-1])
-                if stop is not None:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                    req.stop_reason = stop
-            elif detok is not None:
-                detok.update(req.output_token_ids[-1])
-            if req.status.finished or req.sampling_params.output_kind == RequestOutputKind.CUMULATIVE:
-                outputs.append(self._make_output(req))
+            try:
+                out = self._process(req)
+            except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
+                out = self._fail(req, e)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _process(self, req: Request) -> RequestOutput | None:
+        """One request's share of a step after sampling: logprobs, detokenization, stop
+        strings, its output. Nothing here touches another request."""
+        if req.logprobs is not None:
+            self._convert_logprobs(req)
+        detok = self._detok.get(req.request_id)
+        if detok is not None and not req.status.finished:
+            stop = detok.update(req.output_token_ids[-1])
+            if stop is not None:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = stop
+        elif detok is not None:
+            detok.update(req.output_token_ids[-1])
+        if req.status.finished or req.sampling_params.output_kind == RequestOutputKind.CUMULATIVE:
+            return self._make_output(req)
+        return None
+
+    def _fail(self, req: Request, error: Exception) -> RequestOutput:
+        """Finish one request whose own processing raised: its blocks are freed and its
+        caller gets the error; the engine and every other request go on."""
+        log.exception("request %s failed; aborting it alone", req.request_id)
+        self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+        self._detok.pop(req.request_id, None)
+        completion = CompletionOutput(0, "", list(req.output_token_ids), None, None, "error", None)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
+                             error=f"{type(error).__name__}: {error}")
 
     def _convert_logprobs(self, req: Request) -> None:
         """Turn the step's raw logprob entry into {token_id: Logprob} once, decoding the

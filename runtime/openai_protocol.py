@@ -1,26 +1,77 @@
 """OpenAI API request schemas (pydantic) and their translation to SamplingParams.
 
-Only what the engine supports is accepted; a parameter it cannot honour (penalties,
-`echo`, `best_of`, tools) is a 400 naming the parameter, not a silent ignore.
+The schemas check types only; every bound on a value lives in SamplingParams.validate and
+Engine.make_request (runtime/limits.py), which `LLM` uses too. Nothing a client sends is
+silently dropped: an unknown field is a 400 (as OpenAI answers), and a known parameter the
+engine cannot honour yet is a 400 naming it unless it holds its no-op value (a penalty of
+0, an empty logit_bias, `response_format: {"type": "text"}`).
 """
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
+from runtime.limits import ParamError, check_text
 from runtime.sampling_params import SamplingParams
 
 
-class StreamOptions(BaseModel):
+def _unset(v) -> bool:
+    return v is None or v is False or v == "" or v == {} or v == []
+
+
+def _is(*values) -> Callable[[Any], bool]:
+    return lambda v: v is None or any(v == x and type(v) is type(x) for x in values)
+
+
+def _text_format(v) -> bool:
+    return v is None or v == {"type": "text"}
+
+
+# Parameters of OpenAI's and vLLM's APIs that this engine does not honour yet, each with the
+# test for its no-op value. Set to anything else they are refused, never ignored.
+_NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": _is(0, 0.0), "frequency_penalty": _is(0, 0.0), "repetition_penalty": _is(1, 1.0),
+    "logit_bias": _unset, "response_format": _text_format, "echo": _unset,
+    "bad_words": _unset, "allowed_token_ids": _unset, "prompt_logprobs": _unset,
+    "use_beam_search": _unset, "length_penalty": _is(1, 1.0), "truncate_prompt_tokens": _unset,
+    "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
+    "guided_grammar": _unset, "guided_decoding_backend": _unset, "logits_processors": _unset,
+    "return_tokens_as_token_ids": _unset, "priority": _is(0), "spaces_between_special_tokens": _is(True),
+}
+_NOT_YET_COMPLETION = {**_NOT_YET_COMMON, "suffix": _unset}
+_NOT_YET_CHAT = {
+    **_NOT_YET_COMMON, "tools": _unset, "functions": _unset, "tool_choice": _is("none", "auto"),
+    "function_call": _is("none", "auto"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
+    "prediction": _unset, "web_search_options": _unset, "reasoning_effort": _unset, "verbosity": _unset,
+    "store": _unset, "service_tier": _is("auto", "default"), "add_generation_prompt": _is(True),
+    "continue_final_message": _unset, "chat_template": _unset, "chat_template_kwargs": _unset,
+}
+
+
+class _Strict(BaseModel):
+    # Unknown fields are an error (see the RequestValidationError handler in serve.py);
+    # the not-yet-supported ones arrive as extras and are checked against the tables above.
+    model_config = ConfigDict(extra="allow")
+    NOT_YET: ClassVar[dict[str, Callable[[Any], bool]]] = {}
+
+    def check_extras(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            noop = self.NOT_YET.get(name)
+            if noop is None:
+                raise ParamError(f"unrecognized request argument supplied: {name}", name)
+            if not noop(value):
+                raise ParamError(f"{name}: not supported by this server yet; leave it unset", name)
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _Common(_Strict):
     model: str | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = 1
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None            # extension (vLLM)
@@ -30,67 +81,128 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None   # extension
     ignore_eos: bool = False            # extension
+    include_stop_str_in_output: bool = False  # extension
+    skip_special_tokens: bool = True    # extension
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    # Metadata with no effect on the output by definition (OpenAI's abuse-monitoring ids).
     user: str | None = None
+    safety_identifier: str | None = None
 
-    def unsupported(self) -> str | None:
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return name
-        return None
+    def check(self) -> None:
+        """The parameter checks that are not bounds on one value (those are SamplingParams')."""
+        self.check_extras()
+        if self.stream_options is not None:
+            self.stream_options.check_extras()
+            if not self.stream:
+                raise ParamError("stream_options: only allowed when stream is true", "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None, seed_offset: int = 0) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request's params (with its n), validated; sample i runs `sample_params(i)`."""
         return SamplingParams(
-            temperature=1.0 if self.temperature is None else self.temperature,
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0, min_p=self.min_p or 0.0,
-            seed=None if self.seed is None else self.seed + seed_offset,
+            top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str]
+    NOT_YET: ClassVar = _NOT_YET_COMPLETION
+    prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    logprobs: int | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True     # extension
 
-    def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo"
-        if self.best_of not in (None, 1, self.n):
-            return "best_of"
-        return super().unsupported()
+    def check(self) -> None:
+        super().check()
+        if self.best_of is not None and self.best_of != self.n:
+            raise ParamError("best_of: only best_of == n is supported", "best_of")
+
+    def prompts(self) -> list:
+        """The prompts of this call: one string or token list, or a batch of either."""
+        p = self.prompt
+        if isinstance(p, str):
+            p = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            p = [p]
+        if not p:
+            raise ParamError("prompt must not be empty", "prompt")
+        return [{"prompt": x, "add_special_tokens": self.add_special_tokens} if isinstance(x, str)
+                else {"prompt_token_ids": x} for x in p]
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str | None = None
+    text: Any = None
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
 
-    def text(self) -> str:
-        if isinstance(self.content, list):   # [{"type": "text", "text": ...}, ...]
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
+    def for_template(self, where: str) -> dict:
+        """The message as the chat template takes it; text parts joined. Any other part is a
+        400 (a text-only model would answer as if the image or audio were not there)."""
+        self.check_extras()
+        if isinstance(self.content, list):
+            texts = []
+            for j, part in enumerate(self.content):
+                at = f"{where}.content[{j}]"
+                if part.type != "text":
+                    what = "has no type" if part.type is None else f"type {part.type!r} is not supported (text only)"
+                    raise ParamError(f"{at}: content part {what}", f"{at}.type")
+                if not isinstance(part.text, str):
+                    raise ParamError(f"{at}.text: a text part needs a string 'text'", f"{at}.text")
+                unknown = sorted(part.model_extra or {})
+                if unknown:
+                    raise ParamError(f"{at}: unrecognized field in a text part: {unknown[0]}", f"{at}.{unknown[0]}")
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = self.content or ""
+        check_text(content, f"{where}.content")
+        # OpenAI's `developer` role is the system prompt of newer models.
+        msg: dict = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            value = getattr(self, key)
+            if value is not None:
+                if isinstance(value, str):
+                    check_text(value, f"{where}.{key}")
+                msg[key] = value
+        return msg
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage] = Field(min_length=1)
+    NOT_YET: ClassVar = _NOT_YET_CHAT
+    messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict] | None = None
+    top_logprobs: int | None = None
+    add_special_tokens: bool = False    # extension: the chat template holds the special tokens
+    # Meaningless without tools (which are refused), so accepting them ignores nothing.
+    parallel_tool_calls: bool | None = None
+    metadata: dict[str, str] | None = None     # only stored with `store`, which is refused
+    prompt_cache_key: str | None = None        # prefix caching is automatic here
 
-    def unsupported(self) -> str | None:
-        if self.tools:
-            return "tools"
-        return super().unsupported()
+    def check(self) -> None:
+        super().check()
+        if not self.messages:
+            raise ParamError("messages: at least one message is required", "messages")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs: requires logprobs to be true", "top_logprobs")
+
+    def template_messages(self) -> list[dict]:
+        return [m.for_template(f"messages[{i}]") for i, m in enumerate(self.messages)]
 
     @property
     def output_limit(self) -> int | None:
@@ -105,3 +217,4 @@ def error_body(message: str, err_type: str = "invalid_request_error", param: str
                code: str | None = None) -> dict:
     """The OpenAI error JSON shape."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+

@@ -18,7 +18,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None      # "stop", "length", "abort"
+    finish_reason: str | None = None      # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
 
@@ -29,3 +29,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    error: str | None = None   # set when the request failed on its own (finish_reason "error")

@@ -1,8 +1,13 @@
 """SamplingParams: how one request samples and when it stops (vLLM's field names)."""
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 from dataclasses import dataclass, field
+
+from runtime.limits import (INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                            MAX_TEMPERATURE, ParamError, is_int, sample_seed, short_repr)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -18,7 +23,7 @@ class RequestOutputKind(enum.IntEnum):
 
 @dataclass(slots=True)
 class SamplingParams:
-    n: int = 1                      # samples per prompt; sample i uses seed + i (when seeded)
+    n: int = 1                      # samples per prompt; sample i uses seed + i (mod 2^63)
     temperature: float = 1.0        # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0                  # 0 or -1: disabled
@@ -44,35 +49,53 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
+        """Every bound a value must meet before it goes near the engine (see runtime/limits.py).
+        Raises ParamError naming the field."""
         def bad(name: str, why: str):
-            raise ValueError(f"SamplingParams.{name}: {why}, got {getattr(self, name)!r}")
+            raise ParamError(f"SamplingParams.{name}: {why}, got {short_repr(getattr(self, name))}", name, why)
 
-        if not isinstance(self.n, int) or not 1 <= self.n <= 64:
-            bad("n", "must be an integer in [1, 64]")
-        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature <= 100:
-            bad("temperature", "must be in [0, 100]")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        def number(v) -> bool:   # a real, finite number (NaN fails every range check anyway)
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            bad("n", f"must be an integer in [1, {MAX_N}]")
+        if not number(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}]")
+        if not number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            bad("top_k", "must be 0 (disabled), -1 (disabled) or a positive integer")
-        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+        if not is_int(self.top_k) or not 0 <= self.top_k <= INT64_MAX:
+            bad("top_k", "must be 0 (disabled), -1 (disabled) or a positive integer below 2^63")
+        if not number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", "must be in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            bad("seed", "must be a non-negative integer")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            bad("max_tokens", "must be an integer >= 1")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
-            bad("min_tokens", "must be a non-negative integer")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= INT64_MAX):
+            bad("seed", "must be an integer in [0, 2^63)")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or not 1 <= self.max_tokens <= INT64_MAX):
+            bad("max_tokens", "must be an integer in [1, 2^63)")
+        if not is_int(self.min_tokens) or not 0 <= self.min_tokens <= INT64_MAX:
+            bad("min_tokens", "must be an integer in [0, 2^63)")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be non-empty strings")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            bad("stop_token_ids", "must be non-negative token ids")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
-            bad("logprobs", "must be an integer in [0, 20]")
+        if len(self.stop) > MAX_STOP_STRINGS or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", f"must be at most {MAX_STOP_STRINGS} non-empty strings")
+        if (len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or not all(is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids)):
+            bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", "must be a RequestOutputKind")
+
+    def validate_for_model(self, vocab_size: int) -> None:
+        """The bounds that depend on the model: token ids must be in its vocabulary."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ParamError(f"SamplingParams.stop_token_ids: token id {t} is not in the vocabulary "
+                                 f"(size {vocab_size})", "stop_token_ids",
+                                 f"token id {t} is not in the vocabulary (size {vocab_size})")
+
+    def sample_params(self, i: int) -> SamplingParams:
+        """The params of sample i of n: one sample, seeded with sample_seed(seed, i)."""
+        return dataclasses.replace(self, n=1, seed=sample_seed(self.seed, i))
 
     @property
     def greedy(self) -> bool:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
+import socket
 import sys
 import time
 import uuid
@@ -20,10 +20,12 @@ from contextlib import asynccontextmanager
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime.async_engine import AsyncEngine, EngineDeadError
+from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from runtime.http_guards import ApiKeyAuth, BodyGuard, SafeJSONResponse
+from runtime.limits import ParamError, short_repr
 from runtime.metrics import ServerMetrics
 from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from runtime.outputs import RequestOutput
@@ -38,63 +40,10 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
 
 
-class BodyLimit:
-    """ASGI middleware: 413 for request bodies over `max_bytes` (counted as they stream in,
-    so a missing or lying Content-Length does not get past it)."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
-        seen = 0
-
-        async def limited():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(send)
-
-    async def _reject(self, send):
-        body = json.dumps(error_body(f"request body exceeds {self.max_bytes} bytes", code="body_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})
-        await send({"type": "http.response.body", "body": body})
-
-
-class _TooLarge(Exception):
-    pass
-
-
-class ApiKeyAuth:
-    """ASGI middleware: every /v1/* call needs `Authorization: Bearer <key>`. (Plain ASGI,
-    not BaseHTTPMiddleware, so client disconnects still reach streaming responses.)"""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
-            if not hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected):
-                body = json.dumps(error_body("invalid or missing API key", "authentication_error",
-                                             code="invalid_api_key")).encode()
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"application/json")]})
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
+def _bad_param(e: ValueError) -> APIError:
+    """A 400 for a refused value; SamplingParams' messages lose their class prefix here."""
+    message = str(e).removeprefix("SamplingParams.")
+    return APIError(400, message, getattr(e, "param", None), "invalid_request")
 
 
 def _sse(data: dict | str) -> str:
@@ -115,28 +64,31 @@ class OpenAIServer:
     # ------------------------------------------------------------- shared request handling
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found",
+            raise APIError(404, f"The model {short_repr(name)} does not exist.", "model", "model_not_found",
                            "NotFoundError")
 
     async def start(self, prompts: list, body, max_tokens: int | None, logprobs: int | None):
-        """Validate every (prompt, sample) and enqueue them; all or nothing."""
-        bad = body.unsupported()
-        if bad:
-            raise APIError(400, f"parameter '{bad}' is not supported", bad, "unsupported_parameter")
+        """Validate every (prompt, sample) and enqueue them; all or nothing. Sample i of a
+        prompt runs `params.sample_params(i)` (seed + i, wrapped)."""
+        try:
+            body.check()
+            params = body.sampling_params(max_tokens, logprobs)
+        except ParamError as e:
+            raise _bad_param(e) from None
         base = uuid.uuid4().hex
         started = []
         try:
             for p_idx, prompt in enumerate(prompts):
-                for i in range(body.n):
-                    # n samples are n requests today (copy-on-write forks arrive with prefix caching);
-                    # sample i of a seeded request uses seed + i so the samples differ.
-                    params = body.sampling_params(max_tokens, logprobs, seed_offset=i)
-                    req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}-{i}")
-                    started.append((p_idx * body.n + i, req, stream))
-        except ValueError as e:
+                for i in range(params.n):
+                    req, stream = await self.engine.add_request(prompt, params.sample_params(i),
+                                                                f"{base}-{p_idx}-{i}", cap_max_tokens=False)
+                    started.append((p_idx * params.n + i, req, stream))
+        except (ValueError, RequestFailedError) as e:
             for _, _, stream in started:
                 await stream.aclose()
-            raise APIError(400, str(e), None, "invalid_request") from None
+            if isinstance(e, RequestFailedError):
+                raise
+            raise _bad_param(e) from None
         return base, started
 
     @staticmethod
@@ -226,15 +178,10 @@ class OpenAIServer:
 
     async def completions(self, body: CompletionRequest, raw: Request):
         self.check_model(body.model)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            prompts = [{"prompt_token_ids": prompt}]
-        elif isinstance(prompt, list):
-            prompts = list(prompt)
-        else:
-            prompts = [prompt]
-        if not prompts:
-            raise APIError(400, "prompt must not be empty", "prompt")
+        try:
+            prompts = body.prompts()
+        except ParamError as e:
+            raise _bad_param(e) from None
         base, started = await self.start(prompts, body, body.max_tokens, body.logprobs)
         rid, created = f"cmpl-{base}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -267,13 +214,17 @@ class OpenAIServer:
         self.check_model(body.model)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            body.check()
+            messages = body.template_messages()
+        except ParamError as e:
+            raise _bad_param(e) from None
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
-            raise APIError(400, f"chat template failed: {e}", "messages") from None
-        # The template already holds the special tokens: encode without adding more.
-        prompt = {"prompt": text, "add_special_tokens": False}
+            raise APIError(400, f"chat template failed: {short_repr(str(e), 200)}", "messages") from None
+        # The template already holds the special tokens: by default encode without adding more.
+        prompt = {"prompt": text, "add_special_tokens": body.add_special_tokens}
         base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k)
         rid, created = f"chatcmpl-{base}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
@@ -318,6 +269,8 @@ class OpenAIServer:
                 yield _sse({**head, "choices": [], "usage": self.usage(started, finals, body.n)})
         except EngineDeadError as e:
             yield _sse(error_body(str(e), "server_error", code="engine_dead"))
+        except RequestFailedError as e:
+            yield _sse(error_body(str(e), "server_error", code="request_failed"))
         yield _sse("[DONE]")
 
     # ------------------------------------------------------------- misc routes
@@ -327,7 +280,7 @@ class OpenAIServer:
 
 
 def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
-              api_key: str | None = None, max_body_bytes: int = 4 << 20) -> FastAPI:
+              api_key: str | None = None, max_body_bytes: int = 4 << 20, body_timeout: float = 30.0) -> FastAPI:
     server = OpenAIServer(engine, model_name, api_key)
 
     @asynccontextmanager
@@ -335,27 +288,32 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         yield
         engine.shutdown()   # after uvicorn has drained (or given up on) in-flight requests
 
-    app = FastAPI(title="zooinfer", lifespan=lifespan)
+    app = FastAPI(title="zooinfer", lifespan=lifespan, default_response_class=SafeJSONResponse)
     app.state.server = server
 
     @app.exception_handler(APIError)
     async def _api_error(_, e: APIError):
-        return JSONResponse(error_body(e.message, e.err_type, e.param, e.code), status_code=e.status)
+        return SafeJSONResponse(error_body(e.message, e.err_type, e.param, e.code), status_code=e.status)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        where = None if where is None else short_repr(where, 80).strip("'\"")
         msg = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
-        return JSONResponse(error_body(msg, param=where, code="invalid_value"), status_code=400)
+        return SafeJSONResponse(error_body(msg, param=where, code="invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
-        return JSONResponse(error_body(str(e.detail), code=str(e.status_code)), status_code=e.status_code)
+        return SafeJSONResponse(error_body(str(e.detail), code=str(e.status_code)), status_code=e.status_code)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_, e: EngineDeadError):
-        return JSONResponse(error_body(str(e), "server_error", code="engine_dead"), status_code=503)
+        return SafeJSONResponse(error_body(str(e), "server_error", code="engine_dead"), status_code=503)
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_, e: RequestFailedError):   # this request only; the engine is fine
+        return SafeJSONResponse(error_body(str(e), "server_error", code="request_failed"), status_code=500)
 
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat)
@@ -365,7 +323,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     async def health():
         if engine.healthy:
             return {"status": "ok"}
-        return JSONResponse({"status": "unhealthy", "error": repr(engine.error)}, status_code=503)
+        return SafeJSONResponse({"status": "unhealthy", "error": repr(engine.error)}, status_code=503)
 
     @app.get("/metrics")
     async def prometheus():
@@ -375,7 +333,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
 
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
-    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_middleware(BodyGuard, max_bytes=max_body_bytes, timeout=body_timeout)
     return app
 
 
@@ -401,10 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    ap.add_argument("--body-timeout", type=float, default=30.0,
+                    help="seconds a client has to send a request body in full (else 408)")
     ap.add_argument("--graceful-timeout", type=float, default=10.0,
                     help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    try:   # before the model loads: a busy port fails in a second, not after start-up
+        sock = bind_socket(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return 2
 
     from models import SpecError, WeightError
     from runtime.config import EngineConfig
@@ -423,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
+        sock.close()
         return 2
     name = args.served_model_name or engine.spec.name
     metrics = ServerMetrics(name)
@@ -437,11 +404,29 @@ def main(argv: list[str] | None = None) -> int:
              engine.kv_manager.pool.num_usable_blocks * config.block_size, engine.max_model_len)
     async_engine = AsyncEngine(engine, metrics)
     async_engine.start()
-    app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes)
+    app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes, args.body_timeout)
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.graceful_timeout)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.graceful_timeout))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:   # uvicorn re-raises SIGINT after a clean shutdown
+        pass
     return 0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind (without listening: connections are refused, not queued, until the server is
+    ready) the address uvicorn will serve on."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import torch
 torch.set_num_threads(1)
 
 from runtime.sampler import Sampler, SamplingMetadata, _apply_top_k_top_p  # noqa: E402
+from runtime.limits import ParamError  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 
 sampler = Sampler()
@@ -344,10 +345,43 @@ def test_logprobs_ignore_temperature_and_filters():
     ({"stop": ""}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ({"seed": -1}, "seed"),
+    # Past what the engine's int64 buffers and generators hold (runtime/limits.py).
+    ({"seed": 2 ** 63}, "seed"),
+    ({"seed": 2 ** 64}, "seed"),
+    ({"top_k": 2 ** 63}, "top_k"),
+    ({"max_tokens": 2 ** 63}, "max_tokens"),
+    ({"min_tokens": 2 ** 63, "max_tokens": None}, "min_tokens"),
+    ({"stop_token_ids": [2 ** 63]}, "stop_token_ids"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids"),
+    ({"stop": ["x"] * 65}, "stop"),
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"),
+    ({"top_k": True}, "top_k"),
+    ({"n": True}, "n"),
 ])
 def test_sampling_params_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}: "):
         SamplingParams(**kwargs)
+
+
+def test_largest_values_are_accepted_and_sample_seeds_wrap():
+    p = SamplingParams(seed=2 ** 63 - 1, top_k=2 ** 63 - 1, max_tokens=2 ** 63 - 1, min_tokens=2 ** 63 - 1,
+                       stop_token_ids=[2 ** 63 - 1], n=3)
+    assert [p.sample_params(i).seed for i in range(3)] == [2 ** 63 - 1, 0, 1]
+    assert all(p.sample_params(i).n == 1 for i in range(3))
+    assert SamplingParams(seed=None, n=2).sample_params(1).seed is None
+    with pytest.raises(ParamError) as e:
+        SamplingParams(seed=2 ** 63)
+    assert e.value.param == "seed" and e.value.reason == "must be an integer in [0, 2^63)"
+    assert len(str(_param_error(stop=["y" * 10 ** 6] * 65))) < 200      # hostile values are not echoed whole
+
+
+def _param_error(**kwargs) -> ParamError:
+    with pytest.raises(ParamError) as e:
+        SamplingParams(**kwargs)
+    return e.value
 
 
 def test_sampling_params_valid_edges_and_normalisation():

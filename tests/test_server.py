@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -17,55 +14,21 @@ import openai
 import pytest
 
 from runtime import LLM, SamplingParams
+from tests.serving import (ROOT, error_of, free_port, metric, running_server, start_server, tiny_chat_spec,
+                           wait_idle)
 
-ROOT = Path(__file__).resolve().parent.parent
 KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory) -> Path:
-    """Tiny seeded weights with SmolLM2's real tokenizer and chat template: fast, real text."""
-    from models.embedded import ensure_embedded
-    path = tmp_path_factory.mktemp("spec") / "tiny-chat.yaml"
-    path.write_text(f"extends: {ROOT / 'zoo' / 'smollm2-tiny.yaml'}\nname: tiny-chat\n"
-                    f"tokenizer: {ensure_embedded('smollm2-135m')}\nmax_model_len: 256\n")
-    return path
-
-
-def _start(spec: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "runtime.serve", str(spec), "--port", str(port),
-                             "--max-num-seqs", "32", *extra], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not come up in 120 s")
+    return tiny_chat_spec(tmp_path_factory.mktemp("spec"))
 
 
 @pytest.fixture(scope="module")
 def server(spec):
-    proc, base = _start(spec, "--api-key", KEY, "--max-body-bytes", "20000")
-    yield base
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with running_server(spec, "--api-key", KEY, "--max-body-bytes", "20000", "--body-timeout", "3") as (_, base):
+        yield base
 
 
 @pytest.fixture(scope="module")
@@ -157,12 +120,6 @@ def test_logprobs(client):
     assert "".join(e.token for e in content) == c.choices[0].message.content
 
 
-def _error(resp: httpx.Response) -> dict:
-    body = resp.json()
-    assert set(body["error"]) >= {"message", "type", "param", "code"}
-    return body["error"]
-
-
 def test_error_responses(server, client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-chat", prompt="x", temperature=-1)
@@ -176,23 +133,16 @@ def test_error_responses(server, client):
     anon = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anon.models.list()
-    assert _error(httpx.get(server + "/v1/models"))["code"] == "invalid_api_key"
+    assert error_of(httpx.get(server + "/v1/models"))["code"] == "invalid_api_key"
     r = httpx.get(server + "/v1/nope", headers={"Authorization": f"Bearer {KEY}"})
-    assert r.status_code == 404 and _error(r)
+    assert r.status_code == 404 and error_of(r)
     r = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    content=json.dumps({"prompt": "x" * 30000}))
-    assert r.status_code == 413 and _error(r)["code"] == "body_too_large"
+    assert r.status_code == 413 and error_of(r)["code"] == "body_too_large"
     r = httpx.post(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, content=b"{not json")
-    assert r.status_code == 400 and _error(r)
+    assert r.status_code == 400 and error_of(r)
     assert httpx.get(server + "/health").json() == {"status": "ok"}     # outside /v1: no key
     assert client.models.list().data[0].id == "tiny-chat"
-
-
-def _metric(text: str, name: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
 
 
 def test_load_with_disconnects(server):
@@ -224,24 +174,19 @@ def test_load_with_disconnects(server):
 
     results = asyncio.run(run())
     assert [r for i, r in enumerate(results) if i % 4] == [24] * 48
-    deadline = time.monotonic() + 20
-    while True:   # aborts land on the engine thread's next iteration
-        text = httpx.get(server + "/metrics").text
-        if _metric(text, "zooinfer_num_requests_running") == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    assert _metric(text, "zooinfer_num_requests_running") == 0
-    assert _metric(text, "zooinfer_num_requests_waiting") == 0
-    assert _metric(text, "zooinfer_kv_cache_free_blocks") == _metric(text, "zooinfer_kv_cache_blocks")
-    assert _metric(text, "zooinfer_request_success_total") >= 48
+    text = wait_idle(server)
+    assert metric(text, "zooinfer_num_requests_running") == 0
+    assert metric(text, "zooinfer_num_requests_waiting") == 0
+    assert metric(text, "zooinfer_kv_cache_free_blocks") == metric(text, "zooinfer_kv_cache_blocks")
+    assert metric(text, "zooinfer_request_success_total") >= 48
     # every prompt shares its first block with the others: the prefix cache served them
-    assert _metric(text, "zooinfer_prefix_cache_hits") > 0
-    assert 0 < _metric(text, "zooinfer_prefix_cache_hit_rate") <= 1
-    assert _metric(text, "zooinfer_time_to_first_token_seconds_count") >= 64
+    assert metric(text, "zooinfer_prefix_cache_hits") > 0
+    assert 0 < metric(text, "zooinfer_prefix_cache_hit_rate") <= 1
+    assert metric(text, "zooinfer_time_to_first_token_seconds_count") >= 64
 
 
 def test_sigterm_drains_and_exits(spec):
-    proc, base = _start(spec)
+    proc, base = start_server(spec)
     with httpx.stream("POST", base + "/v1/completions", timeout=60,
                       json={"prompt": "hello", "max_tokens": 200, "stream": True, "ignore_eos": True}) as r:
         it = r.iter_lines()
@@ -259,7 +204,7 @@ def test_cli_reports_missing_weights(tmp_path):
     spec = tmp_path / "missing.yaml"
     spec.write_text(f"extends: {ROOT / 'zoo' / 'smollm2-tiny.yaml'}\n"
                     f"checkpoint: {{source: hf, path: {tmp_path / 'nowhere'}}}\n")
-    proc = subprocess.run([sys.executable, "-m", "runtime.serve", str(spec), "--port", str(_free_port())],
+    proc = subprocess.run([sys.executable, "-m", "runtime.serve", str(spec), "--port", str(free_port())],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert f"checkpoint.path: no such directory {tmp_path / 'nowhere'} (download" in proc.stderr

@@ -1,0 +1,90 @@
+"""ASGI middleware and the response class in front of the OpenAI routes: what every HTTP
+request meets before a route sees it (body limits and timeouts, the API key)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+
+from fastapi.responses import JSONResponse
+
+from runtime.openai_protocol import error_body
+
+
+class BodyGuard:
+    """ASGI middleware: reads each request body in full before the app sees it.
+
+    A body over `max_bytes` (counted as it streams in, so a missing or lying Content-Length,
+    or chunked encoding, does not get past it) is a 413; one that has not arrived in full
+    within `timeout` seconds is a 408, so a client that stalls mid-body does not hold its
+    connection forever. The app then gets the buffered body, and the real `receive` after
+    it (a streaming response still hears the client disconnect)."""
+
+    def __init__(self, app, max_bytes: int, timeout: float):
+        self.app, self.max_bytes, self.timeout = app, max_bytes, timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(send)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout
+        chunks, seen, more = [], 0, True
+        while more:
+            try:
+                message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0))
+            except asyncio.TimeoutError:
+                return await _reply(send, 408, error_body(
+                    f"request body not received in full within {self.timeout:g} s", code="body_timeout"))
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_bytes:
+                return await self._too_large(send)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, send):
+        await _reply(send, 413, error_body(f"request body exceeds {self.max_bytes} bytes", code="body_too_large"))
+
+
+async def _reply(send, status: int, body: dict) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json")]})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+class ApiKeyAuth:
+    """ASGI middleware: every /v1/* call needs `Authorization: Bearer <key>`. (Plain ASGI,
+    not BaseHTTPMiddleware, so client disconnects still reach streaming responses.)"""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
+            if not hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected):
+                return await _reply(send, 401, error_body("invalid or missing API key", "authentication_error",
+                                                          code="invalid_api_key"))
+        await self.app(scope, receive, send)
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error that quotes a client's lone surrogate (or any
+    text) still encodes, where starlette's UTF-8 rendering would raise."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode()
