@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from runtime.engine import Engine
 from runtime.metrics import ServerMetrics
 from runtime.outputs import RequestOutput
+from runtime.parallel_sampling import parent_id
 from runtime.request import Request
 from runtime.sampling_params import SamplingParams
 
@@ -42,7 +43,8 @@ class _Stream:
     queue: asyncio.Queue
     arrival: float = field(default_factory=time.monotonic)
     last_token: float | None = None
-    num_tokens: int = 0
+    sample_ids: list[str] = field(default_factory=list)        # set once admitted (n > 1: n of them)
+    num_tokens: dict[int, int] = field(default_factory=dict)   # sample index -> tokens delivered
 
 
 class AsyncEngine:
@@ -59,6 +61,8 @@ class AsyncEngine:
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
+        if self.metrics is not None:   # /metrics has every gauge from the first scrape on
+            self.metrics.update_engine_state(self.engine.kv_cache_stats())
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -78,7 +82,8 @@ class AsyncEngine:
     # ------------------------------------------------------------- asyncio side
     async def add_request(self, prompt, params: SamplingParams, request_id: str, cap_max_tokens: bool = True
                           ) -> tuple[Request, AsyncIterator[RequestOutput]]:
-        """Validate and enqueue one request; returns it and its output stream.
+        """Validate and enqueue one request; returns it and its output stream, which
+        yields the outputs of all its n samples (`outputs[0].index` says which) as they come.
 
         Validation (tokenizing included) runs on the engine thread, which owns the
         tokenizer; a bad request raises ValueError here, before any response has started,
@@ -89,8 +94,8 @@ class AsyncEngine:
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self._streams or "#" in request_id:   # '#' separates sample ids
+            raise ValueError(f"request id {request_id!r} is already in use or contains '#'")
         self._streams[request_id] = stream
         self._commands.put(("add", (prompt, params, request_id, cap_max_tokens)))
         self._wake.set()
@@ -98,7 +103,7 @@ class AsyncEngine:
             first = await stream.queue.get()
         except asyncio.CancelledError:   # the client left while we validated
             self._streams.pop(request_id, None)
-            self._commands.put(("abort", request_id))
+            self._commands.put(("abort", [request_id]))
             self._wake.set()
             raise
         if isinstance(first, BaseException):
@@ -109,22 +114,21 @@ class AsyncEngine:
         return first, self._outputs(request_id, stream)
 
     async def _outputs(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
+        open_samples = set(range(len(stream.sample_ids)))
         try:
-            while True:
+            while open_samples:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine failed: {item!r}") from item
-                finished = item.finished
                 if item.error is not None:
                     raise RequestFailedError(f"request failed: {item.error}")
+                if item.finished:
+                    open_samples.discard(item.outputs[0].index)
                 yield item
-                if finished:
-                    return
         finally:
             self._streams.pop(rid, None)
-            if not finished:
-                self._commands.put(("abort", rid))
+            if open_samples:
+                self._commands.put(("abort", [stream.sample_ids[i] for i in open_samples]))
                 self._wake.set()
 
     # ------------------------------------------------------------- engine thread
@@ -160,7 +164,7 @@ class AsyncEngine:
             if kind == "add":
                 self._add(*arg)
             elif kind == "abort":
-                engine.abort([arg])
+                engine.abort(arg)
             elif kind == "abort_all":
                 live = list(engine.scheduler.requests)
                 engine.abort(live)
@@ -173,7 +177,7 @@ class AsyncEngine:
             return
         try:
             request = self.engine.make_request(prompt, params, request_id, cap_max_tokens=cap_max_tokens)
-            self.engine.add_request(request, stream_text=True)   # all or nothing
+            stream.sample_ids = self.engine.add_request(request, stream_text=True)   # all or nothing
         except ValueError as e:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
             return
@@ -188,13 +192,13 @@ class AsyncEngine:
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, request)
 
     def _deliver(self, out: RequestOutput, now: float) -> None:
-        stream = self._streams.get(out.request_id)
+        stream = self._streams.get(parent_id(out.request_id))
         if stream is None:
             return
+        i, num = out.outputs[0].index, len(out.outputs[0].token_ids)
         m = self.metrics
         if m is not None:
-            new = len(out.outputs[0].token_ids) - stream.num_tokens
-            m.generation_tokens.labels(m.model).inc(max(new, 0))
+            m.generation_tokens.labels(m.model).inc(max(num - stream.num_tokens.get(i, 0), 0))
             if stream.last_token is None:
                 m.ttft.labels(m.model).observe(now - stream.arrival)
             else:
@@ -202,6 +206,6 @@ class AsyncEngine:
             if out.finished:
                 m.e2e.labels(m.model).observe(now - stream.arrival)
                 m.finished.labels(m.model, out.outputs[0].finish_reason or "unknown").inc()
-        stream.num_tokens = len(out.outputs[0].token_ids)
+        stream.num_tokens[i] = num
         stream.last_token = now
         stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)

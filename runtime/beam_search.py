@@ -1,13 +1,17 @@
-"""Beam search: the beams of one prompt as forked requests that share KV blocks.
+"""Beam search, driven from above the engine: the beams of one prompt are forked requests
+that share KV blocks.
 
-Each live beam is a Request. A round is one token: every live beam computes its next-token
-log-probabilities (top 2 * beam_width, from the raw logits) and pauses; once every live beam
-has reported, `BeamSearchGroup.select` ranks all (beam, token) continuations by cumulative
-log-probability and keeps the best `beam_width`. A beam chosen once continues as itself; a
-beam chosen k times also forks k - 1 new requests that share its computed blocks (the
-partial last block is copied, see `KVCacheManager.fork`); a beam chosen zero times is freed
-and its blocks go back to the pool. So memory holds each shared prefix once, however many
-beams descend from it.
+Each live beam is a Request with `external_tokens`: the engine computes its next-token
+log-probabilities (top 2 * beam_width, from the raw logits), reports them
+(`Engine.take_proposals`) and appends nothing, so the beam waits with all its tokens
+computed. Once every live beam of a search has reported, `BeamSearchGroup.select` ranks all
+(beam, token) continuations by cumulative log-probability and keeps the best `beam_width`;
+`BeamSearch` then feeds each chosen token in as the beam's next input
+(`Engine.append_tokens`). A beam chosen once continues as itself; a beam chosen k times also
+forks k - 1 new requests (`Engine.fork`) that share its computed blocks (the partial last
+block is copied, see `KVCacheManager.fork`); a beam chosen zero times is aborted and its
+blocks go back to the pool. So memory holds each shared prefix once, however many beams
+descend from it, and the scheduler knows nothing of beams.
 
 The selection rule (also what the brute-force reference in the tests implements):
 - candidates: for each live beam, its top 2W tokens; score = beam cum logprob + token logprob;
@@ -21,6 +25,8 @@ The selection rule (also what the brute-force reference in the tests implements)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from runtime.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
@@ -130,7 +136,7 @@ class BeamSearchGroup:
             decisions[beam_id].append((token, -neg_score))
             taken += 1
         # Every live beam has the same length: either all continuations hit max_tokens
-        # and the search ends, or the scheduler re-registers them with add_beam.
+        # and the search ends, or the driver re-registers them with add_beam.
         at_cap = any(len(self.live[b].tokens) + 1 >= self.max_tokens for b in decisions)
         if at_cap:
             for beam_id, choices in decisions.items():
@@ -145,3 +151,84 @@ class BeamSearchGroup:
         lp = self.params.length_penalty
         # Stable sort: equal scores keep the order they were found in.
         return sorted(self.completed, key=lambda s: -s.score(lp))[: self.params.beam_width]
+
+
+class BeamSearch:
+    """Runs any number of beam searches on one engine, batched together: `add` each, then
+    `step` until `done` (each step is one engine step), then `output` for each."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.groups: dict[str, BeamSearchGroup] = {}     # live beam request id -> its search
+
+    def prepare(self, prompt, params: BeamSearchParams):
+        """Validate one search: its first beam (greedy, reporting the top 2W raw logprobs
+        each step) and its group. Nothing is scheduled yet."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"beam search params must be BeamSearchParams, got {type(params).__name__}")
+        params.validate()
+        sp = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True,
+                            logprobs=2 * params.beam_width)
+        req = self.engine.make_request(prompt, sp)
+        req.external_tokens = True
+        return req, BeamSearchGroup(req.request_id, params, self.engine.eos_token_ids, req.max_tokens)
+
+    def add(self, req, group: BeamSearchGroup) -> None:
+        self.engine.add_request(req)
+        self.groups[req.request_id] = group
+        group.add_beam(req.request_id, [], 0.0)
+
+    @property
+    def done(self) -> bool:
+        return not self.groups
+
+    def step(self) -> None:
+        self.engine.step()
+        complete: dict[int, BeamSearchGroup] = {}
+        for beam_id, top in self.engine.take_proposals().items():
+            group = self.groups.get(beam_id)
+            if group is not None and group.record(beam_id, top):
+                complete[id(group)] = group
+        for group in complete.values():
+            self._advance(group)
+
+    def _advance(self, group: BeamSearchGroup) -> None:
+        """Apply a finished round: chosen beams take their token (forking once per extra
+        choice), the others end and free their blocks."""
+        before = {beam_id: beam.tokens for beam_id, beam in group.live.items()}
+        decisions = group.select()
+        ended = []
+        for beam_id, choices in decisions.items():
+            if not choices:
+                ended.append(beam_id)
+                continue
+            for token, cum in choices[1:]:     # fork before the parent takes its own token
+                child_id = group.new_beam_id()
+                self.engine.fork(beam_id, child_id)
+                self.engine.append_tokens(child_id, [token])
+                self.groups[child_id] = group
+                group.add_beam(child_id, before[beam_id] + [token], cum)
+            token, cum = choices[0]
+            self.engine.append_tokens(beam_id, [token])
+            group.add_beam(beam_id, before[beam_id] + [token], cum)
+        # Beam order for the next round: best first (it only breaks exact score ties).
+        group.live = dict(sorted(group.live.items(), key=lambda kv: -kv[1].cum_logprob))
+        for beam_id in ended:
+            del self.groups[beam_id]
+        self.engine.abort(ended)
+
+    def cancel(self) -> None:
+        """Stop every search and free every beam."""
+        beams = list(self.groups)
+        for group in {id(g): g for g in self.groups.values()}.values():
+            group.cancel()
+        self.groups.clear()
+        self.engine.abort(beams)
+
+    def output(self, req, group: BeamSearchGroup) -> BeamSearchOutput:
+        seqs = group.results()
+        tokenizer = self.engine.tokenizer
+        if tokenizer is not None:
+            for seq in seqs:
+                seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=True)
+        return BeamSearchOutput(req.request_id, list(req.prompt_token_ids), seqs)

@@ -23,12 +23,12 @@ from models import build_model, load_weights, resolve_spec
 from models.prepack import prepack_linears
 from models.builder import DTYPES
 from models.loader import checkpoint_dir
-from runtime.beam_search import BeamSearchGroup, BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.limits import ParamError, check_text, is_int
 from runtime.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
+from runtime.parallel_sampling import fan_out
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import RequestOutputKind, SamplingParams
 from runtime.scheduler import Scheduler
@@ -174,17 +174,11 @@ class Engine:
         return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text, cache_salt=salt)
 
     def add_request(self, request: Request, stream_text: bool = False) -> list[str]:
-        """Schedule a request; with n > 1 it becomes n samples (ids: the request's, then
-        `<id>#1` ...), sample i seeded with `sample_seed(seed, i)`. Returns the sample ids.
+        """Schedule a request; with n > 1 it becomes n samples (`parallel_sampling.fan_out`:
+        ids `<id>`, `<id>#1`, ...) that fork from sample 0. Returns the sample ids.
         All or nothing: what can fail is built before the scheduler sees a sample, and a
         sample the scheduler refuses takes the others back out."""
-        p = request.sampling_params
-        samples = [request]
-        if p.n > 1:
-            samples += [Request(f"{request.request_id}#{i}", request.prompt_token_ids, p.sample_params(i),
-                                self.eos_token_ids, request.max_tokens, prompt=request.prompt,
-                                cache_salt=request.cache_salt.decode() or None) for i in range(1, p.n)]
-            request.sampling_params = p.sample_params(0)
+        samples = fan_out(request)
         detoks = {}
         for s in samples:
             sp = s.sampling_params
@@ -202,26 +196,26 @@ class Engine:
         self._detok.update(detoks)
         return [s.request_id for s in samples]
 
-    def make_beam_search(self, prompt, params: BeamSearchParams) -> tuple[Request, BeamSearchGroup]:
-        """Validate one beam search: its first beam (greedy, returning the top 2W raw
-        logprobs each step) and the group that forks and ranks the beams."""
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"beam search params must be BeamSearchParams, got {type(params).__name__}")
-        params.validate()
-        sp = SamplingParams(temperature=0, max_tokens=params.max_tokens, ignore_eos=True,
-                            logprobs=2 * params.beam_width)
-        req = self.make_request(prompt, sp)
-        return req, BeamSearchGroup(req.request_id, params, self.eos_token_ids, req.max_tokens)
+    # ------------------------------------------------------------- drivers above the engine
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Start `child_id` as a copy of a running request, sharing its computed blocks
+        (copy-on-write); between steps only. Beam search forks its beams with it."""
+        parent = self.scheduler.requests[parent_id]
+        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, self.eos_token_ids,
+                        parent.max_tokens, prompt=parent.prompt, cache_salt=parent.cache_salt.decode() or None)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.all_token_ids = list(parent.all_token_ids)
+        child.external_tokens = parent.external_tokens
+        self.scheduler.fork(parent_id, child)
 
-    def add_beam_search(self, req: Request, group: BeamSearchGroup) -> None:
-        self.scheduler.add_beam_search(req, group)
+    def append_tokens(self, request_id: str, tokens: list[int]) -> None:
+        """Feed a request its next tokens from outside (see Request.external_tokens)."""
+        self.scheduler.append_tokens(request_id, tokens)
 
-    def beam_search_output(self, req: Request, group: BeamSearchGroup) -> BeamSearchOutput:
-        seqs = group.results()
-        if self.tokenizer is not None:
-            for seq in seqs:
-                seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
-        return BeamSearchOutput(req.request_id, list(req.prompt_token_ids), seqs)
+    def take_proposals(self) -> dict[str, dict[int, float]]:
+        """{request id: {token id: logprob}} (its top-k, best first) for each external-token
+        request that reached the end of its tokens since the last call."""
+        return self.scheduler.take_proposals()
 
     def abort(self, request_ids) -> None:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
@@ -281,7 +275,7 @@ class Engine:
         log.exception("request %s failed; aborting it alone", req.request_id)
         self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
         self._detok.pop(req.request_id, None)
-        completion = CompletionOutput(0, "", list(req.output_token_ids), None, None, "error", None)
+        completion = CompletionOutput(req.sample_index, "", list(req.output_token_ids), None, None, "error", None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
                              error=f"{type(error).__name__}: {error}")
 
@@ -309,7 +303,7 @@ class Engine:
             text = ""
         logprobs = None if req.logprobs is None else list(req.logprobs)
         cumulative = None if req.logprobs is None else req.cumulative_logprob
-        completion = CompletionOutput(0, text, list(req.output_token_ids), cumulative, logprobs,
+        completion = CompletionOutput(req.sample_index, text, list(req.output_token_ids), cumulative, logprobs,
                                       req.status.finish_reason, req.stop_reason)
         if finished:
             self._detok.pop(req.request_id, None)

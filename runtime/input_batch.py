@@ -33,6 +33,7 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)   # -1: none requested
         self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]  # banned before min_tokens
+        self.external = np.zeros(max_num_reqs, dtype=bool)   # samples reported, not appended
         # Keyed by request id, not row: a preempted request keeps its generator and resumes
         # the same random stream when it comes back.
         self.generators: dict[str, torch.Generator] = {}
@@ -60,6 +61,7 @@ class InputBatch:
         self.min_p[row] = p.min_p
         self.min_tokens[row] = p.min_tokens
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.external[row] = new.external_tokens
         self.stop_ids[row] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         if p.seed is not None and new.req_id not in self.generators:
             self.generators[new.req_id] = torch.Generator().manual_seed(p.seed)
@@ -81,6 +83,13 @@ class InputBatch:
             self.req_ids.pop()
             self.block_table.clear_row(last)
 
+    def append_tokens(self, req_id: str, tokens: list[int]) -> None:
+        """Tokens fed from outside (SchedulerOutput.appended_token_ids) become the row's next."""
+        row = self.req_id_to_row[req_id]
+        n = self.num_tokens[row]
+        self.token_ids[row, n: n + len(tokens)] = tokens
+        self.num_tokens[row] = n + len(tokens)
+
     def row_generators(self, rows: np.ndarray) -> dict[int, torch.Generator]:
         """Position in `rows` -> generator, for the seeded requests among them."""
         if not self.generators:
@@ -95,7 +104,7 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.temperature,
-                    self.top_k, self.top_p, self.min_p, self.min_tokens, self.logprobs):
+                    self.top_k, self.top_p, self.min_p, self.min_tokens, self.logprobs, self.external):
             arr[dst] = arr[src]
         self.stop_ids[dst] = self.stop_ids[src]
         self.block_table.move_row(src, dst)

@@ -7,10 +7,11 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from runtime.beam_search import BeamSearchOutput, BeamSearchParams
+from runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from runtime.config import EngineConfig
 from runtime.engine import Engine
 from runtime.outputs import RequestOutput
+from runtime.parallel_sampling import ParentRequest
 from runtime.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -55,28 +56,23 @@ class LLM:
         engine = self.engine
         # Validate everything before scheduling anything: one bad prompt leaves no work behind.
         requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
-        where: dict[str, tuple[int, int]] = {}          # sample id -> (prompt index, sample index)
-        expected: list[int] = []
+        parents: dict[str, tuple[int, ParentRequest]] = {}     # sample id -> (prompt index, its parent)
         for i, req in enumerate(requests):
-            ids = engine.add_request(req)
-            expected.append(len(ids))
-            for j, sid in enumerate(ids):
-                where[sid] = (i, j)
-        samples: list[dict[int, RequestOutput]] = [{} for _ in requests]
+            parent = ParentRequest(req.request_id, req.sampling_params.n, final_only=True)
+            for sid in engine.add_request(req):
+                parents[sid] = (i, parent)
         results: list[RequestOutput | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="generate", unit="req", disable=not use_tqdm)
         try:
             while engine.has_unfinished():
                 for out in engine.step():
-                    if not out.finished:
-                        continue
-                    i, j = where[out.request_id]
-                    samples[i][j] = out
-                    if len(samples[i]) == expected[i]:
-                        results[i] = self._merge(requests[i].request_id, samples[i])
+                    i, parent = parents[out.request_id]
+                    merged = parent.add(out)
+                    if merged is not None:
+                        results[i] = merged
                         bar.update(1)
         except BaseException:
-            engine.abort(list(where))
+            engine.abort(list(parents))
             raise
         finally:
             bar.close()
@@ -88,33 +84,19 @@ class LLM:
         their common prefix's KV blocks (see runtime/beam_search.py)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        engine = self.engine
-        searches = [engine.make_beam_search(p, params) for p in prompts]   # validate all first
-        for req, group in searches:
-            engine.add_beam_search(req, group)
-        bar = tqdm(total=len(searches), desc="beam search", unit="req", disable=not use_tqdm)
+        search = BeamSearch(self.engine)
+        prepared = [search.prepare(p, params) for p in prompts]   # validate all first
+        for req, group in prepared:
+            search.add(req, group)
+        bar = tqdm(total=len(prepared), desc="beam search", unit="req", disable=not use_tqdm)
         try:
-            while engine.has_unfinished():
-                engine.step()
-                bar.n = sum(group.done for _, group in searches)
+            while not search.done:
+                search.step()
+                bar.n = sum(group.done for _, group in prepared)
                 bar.refresh()
         except BaseException:
-            beams = [rid for _, group in searches for rid in group.live]
-            for _, group in searches:
-                group.cancel()
-            engine.abort(beams)
+            search.cancel()
             raise
         finally:
             bar.close()
-        return [engine.beam_search_output(req, group) for req, group in searches]
-
-    @staticmethod
-    def _merge(request_id: str, samples: dict[int, RequestOutput]) -> RequestOutput:
-        """One RequestOutput per prompt, its n samples as outputs[0..n-1]."""
-        first = samples[0]
-        outputs = []
-        for j in sorted(samples):
-            c = samples[j].outputs[0]
-            c.index = j
-            outputs.append(c)
-        return RequestOutput(request_id, first.prompt, first.prompt_token_ids, outputs, True)
+        return [search.output(req, group) for req, group in prepared]

@@ -39,6 +39,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("zooinfer_e2e_request_latency_seconds", "Arrival to finish", labels,
                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.forks = Gauge("zooinfer_num_forks", "Requests forked from another's blocks (n > 1 samples, beams)",
+                           labels, registry=r)
         self.model = model_name
         self._preemptions_seen = 0
 
@@ -54,6 +56,7 @@ class ServerMetrics:
         self.prefix_queries.labels(m).set(stats["prefix_cache_queries"])
         self.prefix_hits.labels(m).set(stats["prefix_cache_hits"])
         self.prefix_hit_rate.labels(m).set(stats["prefix_cache_hit_rate"])
+        self.forks.labels(m).set(stats["forks"])
         new = stats["num_preemptions"] - self._preemptions_seen
         if new > 0:
             self.preemptions.labels(m).inc(new)

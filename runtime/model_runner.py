@@ -175,10 +175,9 @@ class ModelRunner:
             b.block_table.append_row(new_ids, b.req_id_to_row[rid])
         for new in so.new_reqs:
             b.add_request(new, self.eos_token_ids)
-        for rid, token in so.replaced_tokens.items():   # beam search picked another token
-            row = b.req_id_to_row.get(rid)
-            if row is not None:
-                b.token_ids[row, b.num_tokens[row] - 1] = token
+        for rid, tokens in so.appended_token_ids.items():
+            if rid in b.req_id_to_row:
+                b.append_tokens(rid, tokens)
         self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
@@ -255,9 +254,11 @@ class ModelRunner:
             out = self.sampler(self.model.compute_logits(hidden), meta)
 
         tokens = out.token_ids.cpu().numpy()
-        n = b.num_tokens[sample_rows]
-        b.token_ids[sample_rows, n] = tokens
-        b.num_tokens[sample_rows] = n + 1
+        own = ~b.external[sample_rows]         # external rows get their next token fed later
+        rows_own = sample_rows[own]
+        n = b.num_tokens[rows_own]
+        b.token_ids[rows_own, n] = tokens[own]
+        b.num_tokens[rows_own] = n + 1
         req_ids = [b.req_ids[r] for r in sample_rows.tolist()]
         sampled = dict(zip(req_ids, tokens.tolist()))
         return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))

@@ -36,7 +36,7 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling_params", "output_token_ids",
                  "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
                  "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob",
-                 "cache_salt", "block_hashes")
+                 "cache_salt", "block_hashes", "external_tokens", "sample_index")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None,
@@ -61,6 +61,10 @@ class Request:
         # tokens arrive); the salt keeps tenants' caches apart.
         self.cache_salt = (cache_salt or "").encode()
         self.block_hashes: list[bytes] = []
+        # Set by a driver above the engine (beam search): each step's sample is reported
+        # with its top logprobs and the driver feeds the next token (Scheduler.append_tokens).
+        self.external_tokens = False
+        self.sample_index = 0               # i of `<id>#i`, sample i of n (runtime/parallel_sampling.py)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from cache.hashing import extend_block_hashes
 from cache.manager import KVCacheManager
-from runtime.beam_search import BeamSearchGroup
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
 
@@ -30,6 +29,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[list[int]]
     num_computed_tokens: int
+    external_tokens: bool = False      # the runner reports its samples but does not append them
 
 
 @dataclass(slots=True)
@@ -45,8 +45,9 @@ class SchedulerOutput:
     # partial block, a state); after it: state checkpoint saves.
     copies_before: list = field(default_factory=list)
     copies_after: list = field(default_factory=list)
-    # Beam search: running beams whose last token is not the one the runner sampled.
-    replaced_tokens: dict[str, int] = field(default_factory=dict)
+    # Tokens appended from outside (`Scheduler.append_tokens`) to requests already in the
+    # runner's batch, in order; the runner appends them to its rows before this step's inputs.
+    appended_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -73,8 +74,9 @@ class Scheduler:
         # pool runs dry, so they never block the head of the queue.
         self.held_waiting: set[str] = set()
         self.no_hit: set[str] = set()     # admit without a prefix hit next time (see schedule)
-        self.beam_groups: dict[str, BeamSearchGroup] = {}      # beam request id -> its group
-        self._replaced_tokens: dict[str, int] = {}
+        self._appended: dict[str, list[int]] = {}
+        # Requests with external_tokens: the top logprobs of their last step, for the driver.
+        self._proposals: dict[str, dict[int, float]] = {}
 
     # ------------------------------------------------------------- admission / removal
     def add_request(self, request: Request) -> None:
@@ -94,11 +96,28 @@ class Scheduler:
         else:
             self.forks.setdefault(parent_id, []).append(request)
 
-    def add_beam_search(self, request: Request, group: BeamSearchGroup) -> None:
-        """Add the first beam of a beam search; the group forks the others."""
-        self.add_request(request)
-        self.beam_groups[request.request_id] = group
-        group.add_beam(request.request_id, [], 0.0)
+    def fork(self, parent_id: str, child: Request) -> None:
+        """The fork primitive: `child` (a copy of the parent's tokens) starts where the
+        parent stands, sharing its computed blocks (the partial last block and any state
+        are copied, copy-on-write). Called between steps."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self.requests[child.request_id] = child
+        self._start_fork(self.requests[parent_id], child, share=True)
+
+    def append_tokens(self, request_id: str, tokens: list[int]) -> None:
+        """Feed tokens to a request from outside (a driver above the engine, e.g. beam
+        search): they become its next input, as if it had sampled them."""
+        req = self.requests[request_id]
+        for t in tokens:
+            req.append_output_token(t)
+        if req.status == RequestStatus.RUNNING:   # already in the runner's batch
+            self._appended.setdefault(request_id, []).extend(tokens)
+
+    def take_proposals(self) -> dict[str, dict[int, float]]:
+        """The top logprobs that external-token requests produced since the last call."""
+        out, self._proposals = self._proposals, {}
+        return out
 
     def _fork_point(self, req: Request) -> int:
         """Where the samples of `req` fork: before its last prompt token (0: no samples)."""
@@ -155,15 +174,11 @@ class Scheduler:
         self.kv.free(rid)
         self.held_waiting.discard(rid)
         self.no_hit.discard(rid)
-        self._replaced_tokens.pop(rid, None)
+        self._appended.pop(rid, None)
+        self._proposals.pop(rid, None)
         self._finished_since_last_step.add(rid)
         del self.requests[rid]
         self._release_forks(req)
-        group = self.beam_groups.pop(rid, None)
-        if group is not None:
-            group.discard(rid)
-            if group.round_complete():
-                self._advance_beams(group)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.forks)
@@ -190,6 +205,9 @@ class Scheduler:
                     break
                 if self._reclaim_held_waiting():
                     continue
+                if self._preempt_idle(out):   # an idle request gives way before a working one
+                    i = self.running.index(req)
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim, out)
                 if victim is req:
@@ -205,8 +223,8 @@ class Scheduler:
             i += 1
 
         # Admit waiting requests, unless this step already had to preempt (no room).
-        while self.waiting and budget > 0 and not out.preempted_req_ids \
-                and len(self.running) < self.max_num_seqs:
+        short_of_room = bool(out.preempted_req_ids)
+        while self.waiting and budget > 0 and not short_of_room and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit, looked_up = 0, False
             if self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit:
@@ -224,7 +242,7 @@ class Scheduler:
                     # A hit pins its checkpoint pages for the step: a request that only fits
                     # the pool without them would otherwise retry the same hit forever.
                     self.no_hit.add(req.request_id)
-                if self._reclaim_held_waiting(keep=req.request_id):
+                if self._reclaim_held_waiting(keep=req.request_id) or self._preempt_idle(out):
                     continue
                 break
             if looked_up:
@@ -238,7 +256,7 @@ class Scheduler:
                 req_id=req.request_id, token_ids=list(req.all_token_ids),
                 num_prompt_tokens=req.num_prompt_tokens, sampling_params=req.sampling_params,
                 block_ids=self.kv.get_block_ids(req.request_id),
-                num_computed_tokens=req.num_computed_tokens))
+                num_computed_tokens=req.num_computed_tokens, external_tokens=req.external_tokens))
             out.num_scheduled_tokens[req.request_id] = num_new
             self._maybe_checkpoint(req, num_new)
             budget -= num_new
@@ -247,7 +265,7 @@ class Scheduler:
 
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.copies_before, out.copies_after = self.kv.take_copies()
-        out.replaced_tokens, self._replaced_tokens = self._replaced_tokens, {}
+        out.appended_token_ids, self._appended = self._appended, {}
         return out
 
     def _chunk(self, req: Request, budget: int) -> int:
@@ -267,6 +285,21 @@ class Scheduler:
             extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
             self.kv.plan_checkpoints(req.request_id, req.block_hashes[c // self.kv.block_size - 1])
 
+    def _preempt_idle(self, out: SchedulerOutput) -> bool:
+        """Preempt the latest running request that has nothing to compute: one waiting for
+        tokens from outside (a beam whose search has not finished its round). Holding blocks
+        while idle must not keep out a request that can run, or a beam search whose other
+        beams are waiting could never finish its round. It has nothing to compute until it
+        is fed, so it queues last (at the head, two idle beams could take turns forever)."""
+        for req in reversed(self.running):
+            if req.num_computed_tokens >= req.num_tokens_with_spec:
+                self.running.remove(req)
+                self._preempt(req, out)
+                self.waiting.remove(req)
+                self.waiting.append(req)
+                return True
+        return False
+
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -285,7 +318,6 @@ class Scheduler:
         got a new token (finished ones have a finished status and no blocks any more).
         """
         updated: list[Request] = []
-        rounds_done: list[BeamSearchGroup] = []
         bs = self.kv.block_size
         for rid, num in out.num_scheduled_tokens.items():
             req = self.requests.get(rid)
@@ -302,10 +334,8 @@ class Scheduler:
             token = sampled.get(rid)
             if token is None:
                 continue
-            group = self.beam_groups.get(rid)
-            if group is not None:   # a beam pauses until its whole group has reported
-                if group.record(rid, logprobs[rid]["top"]):
-                    rounds_done.append(group)
+            if req.external_tokens:   # its next token comes from outside: report, do not append
+                self._proposals[rid] = logprobs[rid]["top"]
                 continue
             req.append_output_token(token)
             if req.logprobs is not None and logprobs is not None:
@@ -314,36 +344,5 @@ class Scheduler:
             if req.check_stop():
                 self.running.remove(req)
                 self._free(req)
-        for group in rounds_done:
-            self._advance_beams(group)
         self.kv.finish_step()
         return updated
-
-    def _advance_beams(self, group: BeamSearchGroup) -> None:
-        """Apply a finished round: chosen beams take their token (forking once per extra
-        choice), the others end and free their blocks."""
-        decisions = group.select()
-        ended = []
-        for beam_id, choices in decisions.items():
-            req = self.requests[beam_id]
-            if not choices:
-                ended.append(beam_id)
-                continue
-            for token, cum in choices[1:]:
-                child = Request(group.new_beam_id(), req.prompt_token_ids, req.sampling_params,
-                                req.eos_token_ids, req.max_tokens, prompt=req.prompt,
-                                cache_salt=req.cache_salt.decode() or None)
-                child.output_token_ids = req.output_token_ids + [token]
-                child.all_token_ids = req.all_token_ids + [token]
-                self.requests[child.request_id] = child
-                self.beam_groups[child.request_id] = group
-                group.add_beam(child.request_id, child.output_token_ids, cum)
-                self._start_fork(req, child, share=True)
-            token, cum = choices[0]
-            req.append_output_token(token)
-            group.add_beam(beam_id, req.output_token_ids, cum)
-            self._replaced_tokens[beam_id] = token
-        # Beam order for the next round: best first (it only breaks exact score ties).
-        group.live = dict(sorted(group.live.items(), key=lambda kv: -kv[1].cum_logprob))
-        if ended:
-            self.finish_requests(ended, RequestStatus.FINISHED_STOPPED)

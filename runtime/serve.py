@@ -68,8 +68,9 @@ class OpenAIServer:
                            "NotFoundError")
 
     async def start(self, prompts: list, body, max_tokens: int | None, logprobs: int | None):
-        """Validate every (prompt, sample) and enqueue them; all or nothing. Sample i of a
-        prompt runs `params.sample_params(i)` (seed + i, wrapped)."""
+        """Validate every prompt and enqueue it with its n samples (the engine forks them:
+        runtime/parallel_sampling.py); all or nothing. Returns the call's id and, per prompt,
+        (prompt index, request, stream)."""
         try:
             body.check()
             params = body.sampling_params(max_tokens, logprobs)
@@ -79,10 +80,8 @@ class OpenAIServer:
         started = []
         try:
             for p_idx, prompt in enumerate(prompts):
-                for i in range(params.n):
-                    req, stream = await self.engine.add_request(prompt, params.sample_params(i),
-                                                                f"{base}-{p_idx}-{i}", cap_max_tokens=False)
-                    started.append((p_idx * params.n + i, req, stream))
+                req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}", cap_max_tokens=False)
+                started.append((p_idx, req, stream))
         except (ValueError, RequestFailedError) as e:
             for _, _, stream in started:
                 await stream.aclose()
@@ -92,19 +91,20 @@ class OpenAIServer:
         return base, started
 
     @staticmethod
-    async def merged(started) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Interleave several request streams as outputs arrive; closing it closes them all."""
+    async def merged(started, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleave the prompts' streams as outputs arrive, as (choice index, output):
+        choice p * n + i is sample i of prompt p. Closing it closes them all."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index, stream):
+        async def pump(p_idx, stream):
             try:
                 async for out in stream:
-                    queue.put_nowait((index, out))
-                queue.put_nowait((index, None))
+                    queue.put_nowait((p_idx * n + out.outputs[0].index, out))
+                queue.put_nowait((p_idx, None))
             except Exception as e:  # noqa: BLE001 - forwarded to the consumer
-                queue.put_nowait((index, e))
+                queue.put_nowait((p_idx, e))
 
-        tasks = [asyncio.create_task(pump(i, s)) for i, _, s in started]
+        tasks = [asyncio.create_task(pump(p, s)) for p, _, s in started]
         remaining = len(tasks)
         try:
             while remaining:
@@ -121,12 +121,12 @@ class OpenAIServer:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def collect(self, raw: Request, started) -> dict[int, RequestOutput]:
+    async def collect(self, raw: Request, started, n: int) -> dict[int, RequestOutput]:
         """Run to completion for a non-streaming call; a client that disconnects aborts."""
         final: dict[int, RequestOutput] = {}
 
         async def run():
-            async for index, out in self.merged(started):
+            async for index, out in self.merged(started, n):
                 if out.finished:
                     final[index] = out
 
@@ -144,9 +144,9 @@ class OpenAIServer:
         return final
 
     @staticmethod
-    def usage(started, finals, n: int) -> dict:
+    def usage(started, finals) -> dict:
         """OpenAI counts a prompt once however many samples it has."""
-        prompt = sum(len(req.prompt_token_ids) for i, req, _ in started if i % n == 0)
+        prompt = sum(len(req.prompt_token_ids) for _, req, _ in started)
         done = sum(len(out.outputs[0].token_ids) for out in finals)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
@@ -187,10 +187,10 @@ class OpenAIServer:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if body.stream:
             return StreamingResponse(self._stream_completion(body, started, head), media_type="text/event-stream")
-        finals = await self.collect(raw, started)
+        finals = await self.collect(raw, started, body.n)
         choices = [{"index": i, "text": out.outputs[0].text, "logprobs": self.completion_logprobs(out, body.logprobs),
                     "finish_reason": out.outputs[0].finish_reason} for i, out in sorted(finals.items())]
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values(), body.n)}
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
 
     def _stream_completion(self, body, started, head) -> AsyncIterator[str]:
         return self._stream(body, started, head,
@@ -231,14 +231,14 @@ class OpenAIServer:
         if body.stream:
             head["object"] = "chat.completion.chunk"
             return StreamingResponse(self._stream_chat(body, started, head), media_type="text/event-stream")
-        finals = await self.collect(raw, started)
+        finals = await self.collect(raw, started, body.n)
         choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
                     "logprobs": self.chat_logprobs(out, body.top_logprobs), "finish_reason": out.outputs[0].finish_reason}
                    for i, out in sorted(finals.items())]
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values(), body.n)}
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
 
     async def _stream_chat(self, body, started, head) -> AsyncIterator[str]:
-        for i, _, _ in started:
+        for i in range(len(started) * body.n):
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
         async for event in self._stream(body, started, head,
@@ -253,7 +253,7 @@ class OpenAIServer:
         sent_tokens: dict[int, int] = {}
         finals = []
         try:
-            async for i, out in self.merged(started):
+            async for i, out in self.merged(started, body.n):
                 c = out.outputs[0]
                 upto = self._held_back(body, c.text, out.finished)
                 delta = c.text[sent_text.get(i, 0): upto]
@@ -266,7 +266,7 @@ class OpenAIServer:
                 if out.finished:
                     finals.append(out)
             if body.stream_options and body.stream_options.include_usage:
-                yield _sse({**head, "choices": [], "usage": self.usage(started, finals, body.n)})
+                yield _sse({**head, "choices": [], "usage": self.usage(started, finals)})
         except EngineDeadError as e:
             yield _sse(error_body(str(e), "server_error", code="engine_dead"))
         except RequestFailedError as e:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime import LLM, BeamSearchParams, SamplingParams
-from runtime.beam_search import BeamSearchGroup
+from runtime.beam_search import BeamSearch, BeamSearchGroup
 
 
 def _ids(n: int, seed: int, vocab: int = 512) -> list[int]:
@@ -66,7 +66,24 @@ def test_beam_search_equals_brute_force_reference(tiny_hf, family):
     stats = llm.kv_cache_stats()
     assert stats["forks"] > 0
     assert stats["num_free_blocks"] == stats["num_blocks"], "beam search leaked blocks"
-    assert not llm.engine.scheduler.requests and not llm.engine.scheduler.beam_groups
+    assert not llm.engine.scheduler.requests
+
+
+@pytest.mark.parametrize("family, blocks", [("llama", 7), ("bamba", 10)])
+def test_beam_search_survives_preemption(tiny_hf, family, blocks):
+    """A pool too small for all beams at once: beams are preempted (their blocks freed,
+    recomputed later, including tokens the driver fed them) and the result is unchanged.
+    Beams that wait for their round hold no block against beams that can run (before
+    Scheduler._preempt_idle this deadlocked)."""
+    path, hf = tiny_hf(family)
+    llm = LLM(path, max_model_len=48, num_kv_blocks=blocks, max_num_batched_tokens=32, enable_prefix_caching=False)
+    prompts = [_ids(21, seed=11), _ids(30, seed=12), _ids(9, seed=13)]
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in prompts], BeamSearchParams(beam_width=3, max_tokens=6))
+    for out, p in zip(outs, prompts):
+        _check(out.sequences, reference_beam_search(hf, p, 3, 6))
+    stats = llm.kv_cache_stats()
+    assert stats["num_preemptions"] > 0
+    assert stats["num_free_blocks"] == stats["num_blocks"] and not llm.engine.scheduler.requests
 
 
 def test_beam_search_end_of_sequence_and_length_penalty(tiny_hf):
@@ -105,12 +122,13 @@ def test_beams_share_prefix_blocks_and_dropped_beams_free_theirs(tiny_hf):
     llm = LLM(path, max_model_len=128, enable_prefix_caching=False)   # sharing comes from forks alone
     engine = llm.engine
     prompt = _ids(16 * 3 + 5, seed=9)                    # 3 full blocks + 5 tokens
-    req, group = engine.make_beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=8))
-    engine.add_beam_search(req, group)
+    search = BeamSearch(engine)
+    req, group = search.prepare({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=4, max_tokens=8))
+    search.add(req, group)
     pool = engine.kv_manager.pool
     seen_shared = False
-    while engine.has_unfinished():
-        engine.step()
+    while not search.done:
+        search.step()
         beams = [rid for rid in group.live if rid in engine.scheduler.requests]
         tables = [engine.kv_manager.get_block_ids(rid)[0] for rid in beams]
         if len(tables) == 4 and all(len(t) >= 3 for t in tables):

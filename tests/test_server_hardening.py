@@ -86,6 +86,15 @@ def test_engine_serves_on_after_every_killer(server, http):
     assert metric(text, "zooinfer_kv_cache_free_blocks") == metric(text, "zooinfer_kv_cache_blocks")
 
 
+def test_samples_are_engine_forks(server, http):
+    """n > 1 over HTTP goes through the engine's fan-out: the samples fork from sample 0's
+    prompt blocks, as `LLM.generate` does (runtime/parallel_sampling.py)."""
+    before = metric(wait_idle(server[0]), "zooinfer_num_forks")
+    body = {"prompt": "Tell me a story about a dragon", "max_tokens": 5, "temperature": 1.0, "seed": 3, "n": 4}
+    assert len(set(_text(_post(http, "completions", body)))) == 4
+    assert metric(wait_idle(server[0]), "zooinfer_num_forks") == before + 3
+
+
 def test_largest_seed_with_n_wraps_instead_of_overflowing(http):
     body = {"prompt": "Tell me", "max_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 3,
             "seed": BIG - 1}
