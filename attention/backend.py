@@ -57,6 +57,20 @@ class AttentionBackend(ABC):
         Returns [num_tokens, num_heads, head_dim].
         """
 
+    # CUDA graphs (runtime/cuda_graphs.py): a backend that sets `supports_cuda_graphs` keeps
+    # a decode bucket's metadata in static tensors that a captured graph reads, re-planned
+    # in place before each replay.
+    supports_cuda_graphs: bool = False
+
+    def graph_metadata(self, batch_size: int, max_pages_per_req: int, block_size: int,
+                       sliding_window: int | None, device) -> Any:
+        """Static metadata for decode steps of exactly `batch_size` requests."""
+        raise NotImplementedError(f"the {self.name} backend does not support CUDA graphs")
+
+    def plan_graph(self, meta: Any, layout: BatchLayout) -> None:
+        """Re-plan `meta` (from graph_metadata) in place for a padded decode layout."""
+        raise NotImplementedError(f"the {self.name} backend does not support CUDA graphs")
+
 
 _BACKENDS: dict[str, str] = {"torch": "attention.torch_backend:TorchAttentionBackend",
                              "triton": "attention.triton_backend:TritonAttentionBackend",

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -54,6 +55,12 @@ class SlidingWindowSpec(AttentionSpec):
     """Each token attends to the last `sliding_window` positions (itself included): blocks
     wholly older than that go back to the pool while the request runs."""
     sliding_window: int = 0
+
+    def num_dead_blocks(self, num_computed_tokens):
+        """Leading blocks no query still to come can see: with every future query at position
+        >= p (p = computed tokens), keys before p - W + 1 are dead. Works on ints and numpy
+        arrays; the cache manager frees by it and the runner nulls table slots by it."""
+        return np.maximum(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
 
     def max_live_blocks(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         # A decode needs positions (p - W, p]: at most ceil((W-1)/B) + 1 blocks; a chunk of

@@ -127,8 +127,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        first_needed = max(0, num_computed_tokens - self.spec.sliding_window + 1)
-        dead = min(first_needed // self.spec.block_size, len(blocks))
+        dead = min(int(self.spec.num_dead_blocks(num_computed_tokens)), len(blocks))
         freed = []
         for i in range(dead - 1, -1, -1):   # newest dead block first: older ones evict first later
             if blocks[i].is_null:

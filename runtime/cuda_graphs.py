@@ -8,9 +8,9 @@ them all at once. A graph freezes shapes and addresses, so
   position 0, one page, the null block 0, writing their K/V to the null block's slot 0 (never
   read by a real request) and whose outputs are dropped;
 - every input the graph reads is a static buffer: token ids, positions, and per bucket and
-  KV cache group the attention backend's static metadata (`graph_metadata`), which the
-  backend re-plans in place before each replay (`plan_graph`, FlashInfer's CUDA-graph
-  decode wrappers);
+  KV cache group the attention backend's static metadata (`graph_metadata`), planned at
+  capture for a bucket of dummy requests (`StepBatch.dummy`, as the warm-up) and re-planned
+  in place before each replay (`plan_graph`, FlashInfer's CUDA-graph decode wrappers);
 - all buckets share one graph memory pool, captured largest first so smaller graphs reuse
   the largest one's blocks.
 Anything else (a prefill chunk in the batch, more rows than the largest bucket) runs eager.
@@ -29,6 +29,7 @@ import torch
 
 from attention import BatchLayout, ForwardContext, set_forward_context
 from cache.kv_cache_spec import StateSpec
+from runtime.step_plan import StepBatch, plan_layers
 
 log = logging.getLogger("zooinfer")
 
@@ -84,19 +85,11 @@ def pad_decode_layout(layout: BatchLayout, bucket: int) -> BatchLayout:
         block_size=layout.block_size, sliding_window=layout.sliding_window)
 
 
-def dummy_decode_layout(bucket: int, block_size: int, width: int, sliding_window: int | None) -> BatchLayout:
-    """What a bucket is captured with: `bucket` dummy requests."""
-    empty = BatchLayout(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64),
-                        torch.zeros(0, width, dtype=torch.int32), torch.zeros(0, dtype=torch.int64),
-                        block_size, sliding_window)
-    return pad_decode_layout(empty, bucket)
-
-
 def unsupported_reason(device: torch.device, backend, kv_config) -> str | None:
     """Why CUDA graphs cannot run in this set-up (one line), or None."""
     if torch.device(device).type != "cuda":
         return f"cuda_graphs=True needs device='cuda', got device='{device}'"
-    if not getattr(backend, "supports_cuda_graphs", False):
+    if not backend.supports_cuda_graphs:
         return (f"cuda_graphs=True needs an attention backend with CUDA graph support "
                 f"(attention_backend='flashinfer'), got '{backend.name}'")
     if any(isinstance(g.spec, StateSpec) for g in kv_config.groups):
@@ -123,7 +116,7 @@ class CudaGraphRunner:
         self.pool = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.metas: dict[int, list] = {}         # bucket -> per group metadata
+        self.metas: dict[int, dict] = {}         # bucket -> group id -> static metadata
         self.capture_seconds = 0.0
 
     def bucket_for(self, num_scheduled: np.ndarray) -> int | None:
@@ -137,28 +130,23 @@ class CudaGraphRunner:
             torch._dynamo.decorators.mark_unbacked(pos, 0)
         return r.forward(ids, pos, r.kv_caches)
 
-    def _layer_meta(self, metas: list) -> list:
-        cfg = self.runner.kv_config
-        layer_meta = [None] * len(self.runner.kv_caches)
-        for gid, group in enumerate(cfg.groups):
-            for layer in group.layer_ids:
-                layer_meta[layer] = metas[gid]
-        return layer_meta
-
     @torch.inference_mode()     # as `execute`: no autograd records in the captured graphs
     def capture(self) -> None:
         r, backend = self.runner, self.runner.backend
         start = time.perf_counter()
         self.pool = torch.cuda.graph_pool_handle()
+        width = r.batch.block_table[0].max_num_blocks_per_req
         for bs in reversed(self.sizes):
-            metas = []
-            for gid, group in enumerate(r.kv_config.groups):
-                table = r.batch.block_table[gid]
-                window = getattr(group.spec, "sliding_window", None)
-                meta = backend.graph_metadata(bs, table.max_num_blocks_per_req, table.block_size, window, r.device)
-                backend.plan_graph(meta, dummy_decode_layout(bs, table.block_size, table.max_num_blocks_per_req, window))
-                metas.append(meta)
-            with set_forward_context(ForwardContext(backend, self._layer_meta(metas))):
+            metas = {}
+
+            def plan_kv(gid, layout, bs=bs, metas=metas):   # static metadata, planned for dummies
+                meta = backend.graph_metadata(bs, width, layout.block_size, layout.sliding_window, r.device)
+                backend.plan_graph(meta, layout)
+                metas[gid] = meta
+                return meta
+
+            layer_meta = plan_layers(r.kv_config, StepBatch.dummy(r.kv_config, bs, 1, width), plan_kv, r.device)
+            with set_forward_context(ForwardContext(backend, layer_meta)):
                 for _ in range(2):      # warm-up: wrapper plans, kernel JIT, compile, cuBLAS
                     self._run_forward(bs)
                 torch.cuda.synchronize(r.device)

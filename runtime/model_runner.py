@@ -17,13 +17,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from attention import BatchLayout, ForwardContext, get_backend, set_forward_context
-from attention.state import StatePlan
-from cache.kv_cache_spec import KVCacheConfig, StateSpec
+from attention import ForwardContext, get_backend, set_forward_context
+from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
 from models.builder import CausalLM
 from runtime.input_batch import InputBatch
 from runtime.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
+from runtime.step_plan import StepBatch, plan_layers
 
 
 @dataclass(slots=True)
@@ -115,20 +115,8 @@ class ModelRunner:
         serves every later batch shape."""
         start = time.perf_counter()
         n = min(num_tokens, self.kv_config.block_size)
-        layer_meta = [None] * len(self.kv_caches)
-        for group in self.kv_config.groups:
-            if isinstance(group.spec, StateSpec):
-                meta = StatePlan.build([n], [False], torch.zeros(1, group.spec.pages, dtype=torch.long),
-                                       self.device, group.spec.dtype)
-            else:
-                layout = BatchLayout(query_start_loc=np.array([0, n]), seq_lens=np.array([n]),
-                                     block_table=torch.zeros(1, 1, dtype=torch.int32),
-                                     slot_mapping=torch.arange(n, dtype=torch.int64),
-                                     block_size=self.kv_config.block_size,
-                                     sliding_window=getattr(group.spec, "sliding_window", None))
-                meta = self.backend.plan(layout, self.device)
-            for layer in group.layer_ids:
-                layer_meta[layer] = meta
+        layer_meta = plan_layers(self.kv_config, StepBatch.dummy(self.kv_config, 1, n, 1),
+                                 lambda gid, layout: self.backend.plan(layout, self.device), self.device)
         ids_t = torch.zeros(n, dtype=torch.int64, device=self.device)
         pos_t = torch.arange(n, dtype=torch.int64, device=self.device)
         if self.compiled:
@@ -151,18 +139,17 @@ class ModelRunner:
                 pages.index_copy_(0, dst_t, pages.index_select(0, src_t))
 
     def _null_dead_slots(self) -> None:
-        """Sliding groups: table slots of blocks wholly outside every future window point at
-        the null block, as the cache manager has returned those blocks to the pool."""
+        """Sliding groups: table slots of the blocks the cache manager has returned to the
+        pool (`SlidingWindowSpec.num_dead_blocks`, one rule for both) point at the null block."""
         b = self.batch
         n = b.num_reqs
         if not n:
             return
         for gid, group in enumerate(self.kv_config.groups):
-            window = getattr(group.spec, "sliding_window", None)
-            if not window:
+            if not isinstance(group.spec, SlidingWindowSpec):
                 continue
             table = b.block_table[gid]
-            dead = np.maximum(b.num_computed_tokens[:n] - window + 1, 0) // table.block_size
+            dead = group.spec.num_dead_blocks(b.num_computed_tokens[:n])
             cols = np.arange(table.max_num_blocks_per_req)
             table.np[:n][cols[None, :] < dead[:, None]] = 0
 
@@ -206,23 +193,15 @@ class ModelRunner:
 
         rows_t = torch.from_numpy(rows)
         graph_bs = self.graphs.bucket_for(num_sched) if self.graphs is not None else None
-        layer_meta = [None] * len(self.kv_caches)
-        for gid, group in enumerate(self.kv_config.groups):
-            table = b.block_table[gid]
-            if isinstance(group.spec, StateSpec):
-                meta = StatePlan.build(num_sched.tolist(), (b.num_computed_tokens[rows] > 0).tolist(),
-                                       table.tensor[rows_t, :group.spec.pages], self.device, group.spec.dtype)
-                for layer in group.layer_ids:
-                    layer_meta[layer] = meta
-                continue
-            layout = BatchLayout(query_start_loc=query_start_loc, seq_lens=seq_lens,
-                                 block_table=table.tensor[rows_t],
-                                 slot_mapping=torch.from_numpy(table.slot_mapping(req_rows, positions)),
-                                 block_size=table.block_size,
-                                 sliding_window=getattr(group.spec, "sliding_window", None))
-            meta = self.graphs.plan(graph_bs, gid, layout) if graph_bs else self.backend.plan(layout, self.device)
-            for layer in group.layer_ids:
-                layer_meta[layer] = meta
+        tables = [b.block_table[gid] for gid in range(len(self.kv_config.groups))]
+        step = StepBatch(query_start_loc=query_start_loc, seq_lens=seq_lens, num_computed=b.num_computed_tokens[rows],
+                         block_tables=[t.tensor[rows_t] for t in tables],
+                         slot_mappings=[None if isinstance(g.spec, StateSpec) else
+                                        torch.from_numpy(t.slot_mapping(req_rows, positions))
+                                        for g, t in zip(self.kv_config.groups, tables)])
+        plan_kv = (lambda gid, layout: self.graphs.plan(graph_bs, gid, layout)) if graph_bs else \
+            (lambda gid, layout: self.backend.plan(layout, self.device))
+        layer_meta = plan_layers(self.kv_config, step, plan_kv, self.device)
 
         # Rows that reach the end of their known tokens produce a token this step.
         done = seq_lens >= b.num_tokens[rows]

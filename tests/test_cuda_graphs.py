@@ -15,8 +15,9 @@ from attention.flashinfer_backend import paged_kv_csr
 from cache.kv_cache_spec import FullAttentionSpec, StateSpec
 from runtime import LLM, SamplingParams
 from runtime.config import EngineConfig
-from runtime.cuda_graphs import (capture_sizes, choose_bucket, decode_bucket, dummy_decode_layout,
+from runtime.cuda_graphs import (capture_sizes, choose_bucket, decode_bucket,
                                  pad_decode_layout, pad_tokens, unsupported_reason)
+from runtime.step_plan import StepBatch
 
 torch.set_num_threads(1)
 
@@ -65,16 +66,20 @@ def test_pad_decode_layout_adds_null_block_dummies():
     assert csr.last_page_len.tolist() == [3, 2, 4, 1, 1, 1, 1, 1]
     with pytest.raises(ValueError, match="3 requests do not fit bucket 2"):
         pad_decode_layout(layout, 2)
-    dummy = dummy_decode_layout(2, 4, 3, 24)
-    assert dummy.seq_lens.tolist() == [1, 1] and dummy.block_table.tolist() == [[0, 0, 0]] * 2
-    assert dummy.sliding_window == 24
+    kv = SimpleNamespace(groups=[SimpleNamespace(spec=FullAttentionSpec(4, 2, 16, torch.float16)),
+                                 SimpleNamespace(spec=StateSpec(4, shapes=(("s", (4,)),), pool_page_bytes=8))])   # 2 pages
+    dummy = StepBatch.dummy(kv, 2, 1, 3)      # what a bucket of 2 is captured with
+    assert dummy.query_start_loc.tolist() == [0, 1, 2] and dummy.seq_lens.tolist() == [1, 1]
+    assert dummy.block_tables[0].tolist() == [[0, 0, 0]] * 2 and dummy.block_tables[1].tolist() == [[0, 0]] * 2
+    assert dummy.slot_mappings[0].tolist() == [0, 0] and dummy.slot_mappings[1] is None
+    assert dummy.num_computed.tolist() == [0, 0]
 
 
 def test_unsupported_set_ups_are_named():
     attn = SimpleNamespace(groups=[SimpleNamespace(spec=FullAttentionSpec(16, 2, 16, torch.float16))])
     hybrid = SimpleNamespace(groups=attn.groups + [SimpleNamespace(spec=StateSpec(16, shapes=(("s", (4,)),)))])
     fi = SimpleNamespace(name="flashinfer", supports_cuda_graphs=True)
-    plain = SimpleNamespace(name="torch")
+    plain = SimpleNamespace(name="torch", supports_cuda_graphs=False)
     cuda = torch.device("cuda")
     assert unsupported_reason(torch.device("cpu"), fi, attn) == "cuda_graphs=True needs device='cuda', got device='cpu'"
     assert "attention_backend='flashinfer'), got 'torch'" in unsupported_reason(cuda, plain, attn)

@@ -194,10 +194,12 @@ def test_forward_with_stand_in_kernels(fake_flashinfer, window):
 def test_graph_metadata_is_replanned_in_place(fake_flashinfer, window):
     """A CUDA-graph bucket's metadata: planned lazily at the warm-up forward, then re-planned
     in place for each step's padded decode batch; the tensors a graph would hold stay put."""
-    from runtime.cuda_graphs import dummy_decode_layout, pad_decode_layout
+    from runtime.cuda_graphs import pad_decode_layout
     fi, torch_be = get_backend("flashinfer"), get_backend("torch")
     meta = fi.graph_metadata(4, 10, 4, window, "cpu")
-    fi.plan_graph(meta, dummy_decode_layout(4, 4, 10, window))
+    empty = BatchLayout(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), torch.zeros(0, 10, dtype=torch.int32),
+                        torch.zeros(0, dtype=torch.int64), 4, window)
+    fi.plan_graph(meta, pad_decode_layout(empty, 4))     # a bucket of 4 dummy requests, as captured
     _, cache, *_ = _random_batch(window)
     warm = torch.zeros(4, 8, 16, dtype=torch.bfloat16)
     fi.forward(warm, warm[:, :2], warm[:, :2], cache.clone(), meta, 0.25)        # warm-up: lazy plan
