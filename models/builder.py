@@ -7,9 +7,9 @@ from torch import nn
 from cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
 from models import fused
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from models.spec import ModelSpec
+from models.spec import DTYPES, ModelSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["CausalLM", "DTYPES", "build_model"]
 
 
 class CausalLM(nn.Module):

@@ -31,14 +31,7 @@ from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata
-
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
+from models.activations import activation
 
 CHUNK_SIZE = 64
 
@@ -135,8 +128,10 @@ class GatedDeltaNet(nn.Module):
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
                              f"linear_num_key_heads ({num_k_heads})")
-        if hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}")
+        try:
+            act = activation(hidden_act)
+        except ValueError:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}") from None
         self.hidden_size = hidden_size
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
@@ -145,7 +140,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel_size = conv_kernel_size
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.activation = hidden_act
-        self.act = _ACTIVATIONS[hidden_act]
+        self.act = act
 
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=conv_kernel_size, bias=False,
                                 groups=self.conv_dim, padding=conv_kernel_size - 1)

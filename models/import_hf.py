@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from models.spec import ModelSpec, SpecError, spec_from_dict, spec_to_dict
+from models.activations import HF_NAMES
+from models.spec import DTYPES, ModelSpec, SpecError, spec_from_dict, spec_to_dict
 
 # model_type -> family traits that config.json does not spell out.
 _FAMILIES = {
@@ -46,8 +47,6 @@ def _mamba2(cfg: dict) -> dict:
             "chunk_size": cfg.get("mamba_chunk_size", 256), "conv_bias": bool(cfg.get("mamba_conv_bias", True)),
             "proj_bias": bool(cfg.get("mamba_proj_bias", False)),
             "time_step_limit": [float(x) for x in cfg.get("time_step_limit") or (0.0, float("inf"))]}
-_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-         "gelu": "gelu"}
 
 
 def _rope(cfg: dict, params: dict | None = None) -> dict:
@@ -90,7 +89,7 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     per_kind = isinstance(rope_params.get("full_attention"), dict)
     heads = cfg["num_attention_heads"]
     act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
-    if act not in _ACTS:
+    if act not in HF_NAMES:
         raise SpecError(f"{where}: hidden_act: {act!r} is not supported")
     eos = cfg.get("eos_token_id")
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -119,7 +118,7 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             "sliding_window": cfg.get("sliding_window") if "sliding_attention" in kinds else None,
             "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar") if gemma else None,
         },
-        "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": _ACTS[act],
+        "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": HF_NAMES[act],
                 "bias": bool(cfg.get("mlp_bias", False))},
         "norm": {"eps": float(cfg.get("rms_norm_eps", 1e-6)),
                  "offset": 1.0 if gemma or traits.get("offset_norm") else 0.0,
@@ -128,7 +127,7 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         "rope_local": _rope(cfg, rope_params["sliding_attention"]) if per_kind else None,
         "embedding_multiplier": float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "dtype": dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
+        "dtype": dtype if dtype in DTYPES else "float32",
         "max_model_len": int(cfg.get("max_position_embeddings", 4096)),
         "eos_token_ids": eos,
         "checkpoint": {"source": "hf", "path": str(hf_dir.resolve())},

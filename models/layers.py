@@ -11,12 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zooinfer::state_update)
 from attention.ops import paged_attention_op
 from models import fused
+from models.activations import ACTIVATIONS
 from models.spec import ATTENTION_KINDS, ModelSpec, RopeSpec
 
 
@@ -140,13 +140,6 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
-
-
 class GatedMLP(nn.Module):
     """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(gate(x)) * up(x))."""
 
@@ -156,7 +149,7 @@ class GatedMLP(nn.Module):
         self.intermediate_size = m.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * m.intermediate_size, bias=m.bias)
         self.down_proj = nn.Linear(m.intermediate_size, spec.hidden_size, bias=m.bias)
-        self.act = _ACTIVATIONS[m.activation]
+        self.act = ACTIVATIONS[m.activation]
         self.activation = m.activation if m.activation in fused.ACTIVATIONS else None   # has a fused kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -15,14 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
+
+from models.activations import ACTIVATIONS
 
 # Layer kinds the zoo knows. Only full attention is built today; the others are declared so a
 # spec naming them gets a precise "not built yet" error rather than "unknown kind".
 IMPLEMENTED_LAYER_KINDS = ("full_attention", "sliding_attention", "mamba2", "gated_deltanet")
 ATTENTION_KINDS = ("full_attention", "sliding_attention")
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-DTYPES = ("float32", "bfloat16", "float16")
+# A spec's `dtype` name -> the torch dtype the builder and the engine use.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
 ROPE_TYPES = ("default", "linear", "llama3", "none")   # none: no positional rotation (Granite 4.0-H)
 
