@@ -32,6 +32,7 @@ from torch import nn
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata
 from models.activations import activation
+from models.layers import GatedRMSNorm
 
 CHUNK_SIZE = 64
 
@@ -39,23 +40,6 @@ CHUNK_SIZE = 64
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """FLA-style L2 normalisation over the last dim (same formula as HF)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over the head dim, then times silu(gate) (HF `Qwen3NextRMSNormGated`)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        x = self.weight * x.to(dtype)
-        x = x * F.silu(gate.float())
-        return x.to(dtype)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zooinfer::state_update)
@@ -47,6 +48,38 @@ class RMSNorm(nn.Module):
             return fused.add_rms_norm(x, residual, self.weight, self.eps, self.offset, multiplier)
         residual = residual + x * multiplier if multiplier != 1.0 else residual + x
         return self(residual), residual
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with a silu gate, in the two orders the HF state mixers use (the weight is
+    `weight`, ones at init, so HF state dicts load 1:1):
+
+    - `gate_first` (Mamba2 / Bamba `MambaRMSNormGated`): x * silu(gate), RMS-normalised over
+      each group of `group_size` channels (None: all of them), times weight; float32 out.
+    - otherwise (Qwen3-Next `Qwen3NextRMSNormGated`): RMS-normalised x times weight in x's
+      dtype, then times silu(gate); out in x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, gate_first: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.group_size = group_size
+        self.gate_first = gate_first
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.gate_first:
+            x = x.float() * F.silu(gate.float())
+            shape = x.shape
+            if self.group_size is not None:
+                x = x.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight.float() * x.view(shape)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.weight * x.to(dtype)
+        x = x * F.silu(gate.float())
+        return x.to(dtype)
 
 
 def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
