@@ -1,5 +1,8 @@
 """Layer modules: norms, rotary embedding, attention, MLP and the decoder layer.
 
+The decoder layer is the same for every layer kind: its mixer (attention, a state layer, ...)
+comes from the kind's registry entry (models.kinds), which also says how to call it.
+
 Modules work on the flattened token dimension ([num_tokens, hidden]) with no batch axis:
 the runner packs every scheduled request's tokens into one row, and attention finds each
 token's request through the per-step plan. Projections are fused (qkv, gate_up) so a layer
@@ -9,6 +12,7 @@ the checkpoint's separate tensors.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +22,9 @@ import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zoo
 from attention.ops import paged_attention_op
 from models import fused
 from models.activations import ACTIVATIONS
-from models.spec import ATTENTION_KINDS, ModelSpec, RopeSpec
+if TYPE_CHECKING:   # models.spec imports the kind registry, which imports these modules
+    from models.kinds import LayerKind
+    from models.spec import ModelSpec, RopeSpec
 
 
 class RMSNorm(nn.Module):
@@ -193,51 +199,22 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-def make_state_mixer(spec: ModelSpec, kind: str) -> nn.Module:
-    from models.gated_deltanet import GatedDeltaNet
-    from models.mamba2 import Mamba2Mixer
-    if kind == "mamba2":
-        m = spec.mamba2
-        return Mamba2Mixer(spec.hidden_size, m.num_heads, m.head_dim, m.state_size, n_groups=m.n_groups,
-                           conv_kernel=m.conv_kernel, chunk_size=m.chunk_size, use_conv_bias=m.conv_bias,
-                           use_bias=m.proj_bias, rms_norm_eps=spec.norm.eps,
-                           time_step_limit=tuple(m.time_step_limit))
-    g = spec.gated_deltanet
-    return GatedDeltaNet(spec.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim,
-                         conv_kernel_size=g.conv_kernel, rms_norm_eps=spec.norm.eps)
-
-
-def run_state_mixer(mixer: nn.Module, layer_id: int, hidden: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """Run a state layer on this step's requests.
-
-    `pages` is the layer's view of the pool ([num_blocks, page elements]). The projections
-    run here, in the graph; the state update (gather the requests' states from their pages
-    into one contiguous batch, update them, write them back) is the `zooinfer::state_update`
-    custom op, which finds the step's plan in the forward context by `layer_id`, so the
-    model compiles with fullgraph=True and the graph never sees host-side batch facts.
-    """
-    return mixer.forward_paged(hidden, pages, layer_id)
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)), where the mixer is
-    attention (full or sliding) or a state layer (mamba2, gated_deltanet). With sandwich
+    """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)), where the mixer is the one
+    `kind` makes (kept as `self_attn` or, for state layers, `mixer`). With sandwich
     norms (Gemma 2/3) each sub-block's output is normed too before the residual add:
     x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x))).
     Every residual add runs fused with the norm that follows it (`RMSNorm.add_forward`), vLLM
     style: the block's last add happens in the next layer's input norm (or the final norm)."""
 
-    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, kind: str = "full_attention"):
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, kind: LayerKind):
         super().__init__()
         n = spec.norm
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
-        if kind in ATTENTION_KINDS:
-            self.self_attn = Attention(spec, layer_id, rotary)
-            self.mixer = None
-        else:
-            self.self_attn = None
-            self.mixer = make_state_mixer(spec, kind)
+        self.self_attn = self.mixer = None     # the runtime finds state layers by `mixer`
+        setattr(self, kind.attr, kind.make_mixer(spec, layer_id, rotary))
+        self._mixer_attr, self._forward_mixer = kind.attr, kind.forward
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         if spec.moe is not None and spec.moe.is_moe(layer_id):
             from models.moe import GraniteMoEBlock, SparseMoE
@@ -257,9 +234,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
 
     def _mix(self, positions, h, cache):
-        if self.self_attn is not None:
-            return self.self_attn(positions, h, cache)
-        return run_state_mixer(self.mixer, self.layer_id, h, cache)
+        return self._forward_mixer(getattr(self, self._mixer_attr), self.layer_id, positions, h, cache)
 
     @property
     def delta_multiplier(self) -> float:
