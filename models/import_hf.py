@@ -38,7 +38,6 @@ _BAMBA_NAMES = {"final_norm": "model.final_layernorm.weight", "post_attn_norm": 
                 "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj", "down": "feed_forward.down_proj"}
 
 
-
 def _rope(cfg: dict, params: dict | None = None) -> dict:
     if params is None:
         params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}

@@ -22,6 +22,7 @@ import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zoo
 from attention.ops import paged_attention_op
 from models import fused
 from models.activations import ACTIVATIONS
+
 if TYPE_CHECKING:   # models.spec imports the kind registry, which imports these modules
     from models.kinds import LayerKind
     from models.spec import ModelSpec, RopeSpec
