@@ -1,4 +1,4 @@
-"""Model zoo: YAML specs, layer modules, the builder and the weight loader."""
+"""Model zoo: YAML specs, the registry of layer kinds, layer modules, the builder and the weight loader."""
 from models.builder import CausalLM, build_model
 from models.loader import WeightError, load_weights
 from models.spec import ModelSpec, SpecError, load_spec

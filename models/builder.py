@@ -1,15 +1,19 @@
-"""Builds a causal LM from a ModelSpec, and says which checkpoint tensors fill which params."""
+"""Builds a causal LM from a ModelSpec, and says which checkpoint tensors fill which params.
+
+Per-layer mixers, their KV cache specs and their checkpoint names come from each layer's kind
+(models.kinds); this module only loops over them."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from cache.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, StateSpec
+from cache.kv_cache_spec import KVCacheSpec
 from models import fused
+from models.kinds import KINDS, linear_sources
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
-from models.spec import ModelSpec
+from models.spec import DTYPES, ModelSpec
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+__all__ = ["CausalLM", "DTYPES", "build_model"]
 
 
 class CausalLM(nn.Module):
@@ -22,9 +26,9 @@ class CausalLM(nn.Module):
         rotary = RotaryEmbedding(spec.attention.head_dim, spec.rope, spec.max_model_len)
         local = rotary if spec.rope_local is None else \
             RotaryEmbedding(spec.attention.head_dim, spec.rope_local, spec.max_model_len)
-        self.layers = nn.ModuleList(
-            DecoderLayer(spec, i, local if kind == "sliding_attention" else rotary, kind)
-            for i, kind in enumerate(spec.layer_kinds))
+        kinds = [KINDS[k] for k in spec.layer_kinds]
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, local if kind.local_rope else rotary, kind)
+                                    for i, kind in enumerate(kinds))
         self.norm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -66,19 +70,11 @@ class CausalLM(nn.Module):
         return fused.linear_argmax(hidden, head.packed, head.out_features)
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
-        """What cache each layer needs, by layer id."""
-        a = self.spec.attention
-        full = FullAttentionSpec(block_size, a.num_kv_heads, a.head_dim, dtype)
-        sliding = SlidingWindowSpec(block_size, a.num_kv_heads, a.head_dim, dtype, a.sliding_window or 0)
+        """What cache each layer needs, by layer id (its kind's `cache_spec`)."""
         specs: dict[int, KVCacheSpec] = {}
-        for i, kind in enumerate(self.spec.layer_kinds):
-            if kind == "sliding_attention":
-                specs[i] = sliding
-            elif kind == "full_attention":
-                specs[i] = full
-            else:   # state layers keep their state in float32 whatever the model dtype
-                shapes = tuple(self.layers[i].mixer.state_shapes().items())
-                specs[i] = StateSpec(block_size, shapes=shapes, dtype=torch.float32)
+        for i, name in enumerate(self.spec.layer_kinds):
+            kind = KINDS[name]
+            specs[i] = kind.cache_spec(self.spec, getattr(self.layers[i], kind.attr), block_size, dtype)
         return specs
 
     def weight_sources(self) -> dict[str, list[tuple[str, int, int]]]:
@@ -87,7 +83,7 @@ class CausalLM(nn.Module):
         Fused params list several tensors stacked along dim 0; plain params list one.
         Names come from the spec's `weight_names`, so a family with other names is YAML.
         """
-        s, a, m = self.spec, self.spec.attention, self.spec.mlp
+        s, m = self.spec, self.spec.mlp
         name = s.weight_name
         src: dict[str, list[tuple[str, int, int]]] = {
             "embed_tokens.weight": [(name("embed"), 0, s.vocab_size)],
@@ -95,7 +91,6 @@ class CausalLM(nn.Module):
         }
         if not s.tie_word_embeddings:
             src["lm_head.weight"] = [(name("lm_head"), 0, s.vocab_size)]
-        q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         I = m.intermediate_size
         for i in range(s.num_layers):
             hf = name("layer").format(i=i)
@@ -108,28 +103,13 @@ class CausalLM(nn.Module):
                 src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
             if moe:
                 src.update(self._moe_sources(ours + "mlp.", hf + (name("moe") + "." if name("moe") else "")))
-                linears = []
             else:
                 gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
-                linears = [("mlp.gate_up_proj", gate_up, m.bias),
-                           ("mlp.down_proj", [(name("down"), 0, s.hidden_size)], m.bias)]
-            kind = s.layer_kinds[i]
-            if kind in ("mamba2", "gated_deltanet"):
-                prefix = name(kind)
-                for pname, p in self.layers[i].mixer.named_parameters():
-                    src[ours + "mixer." + pname] = [(f"{hf}{prefix}.{pname}", 0, p.shape[0])]
-            else:
-                qr = q * (2 if a.output_gate else 1)
-                qkv = [(name("q"), 0, qr), (name("k"), qr, kv), (name("v"), qr + kv, kv)]
-                linears += [("self_attn.qkv_proj", qkv, a.bias),
-                            ("self_attn.o_proj", [(name("o"), 0, s.hidden_size)], a.o_bias)]
-            for param, parts, has_bias in linears:
-                src[ours + param + ".weight"] = [(hf + p + ".weight", off, n) for p, off, n in parts]
-                if has_bias:
-                    src[ours + param + ".bias"] = [(hf + p + ".bias", off, n) for p, off, n in parts]
-            if a.qk_norm and kind in ("full_attention", "sliding_attention"):
-                src[ours + "self_attn.q_norm.weight"] = [(hf + name("q_norm"), 0, a.head_dim)]
-                src[ours + "self_attn.k_norm.weight"] = [(hf + name("k_norm"), 0, a.head_dim)]
+                src.update(linear_sources(ours + "mlp.gate_up_proj", hf, gate_up, m.bias))
+                src.update(linear_sources(ours + "mlp.down_proj", hf, [(name("down"), 0, s.hidden_size)], m.bias))
+            kind = KINDS[s.layer_kinds[i]]
+            mixer = getattr(self.layers[i], kind.attr)
+            src.update(kind.weight_sources(s, mixer, f"{ours}{kind.attr}.", hf))
         return src
 
     def _moe_sources(self, ours: str, hf: str) -> dict[str, list[tuple[str, int, int]]]:

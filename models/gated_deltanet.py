@@ -31,14 +31,8 @@ from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata
-
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
+from models.activations import activation
+from models.layers import GatedRMSNorm
 
 CHUNK_SIZE = 64
 
@@ -46,23 +40,6 @@ CHUNK_SIZE = 64
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """FLA-style L2 normalisation over the last dim (same formula as HF)."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-class GatedRMSNorm(nn.Module):
-    """RMSNorm over the head dim, then times silu(gate) (HF `Qwen3NextRMSNormGated`)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        x = self.weight * x.to(dtype)
-        x = x * F.silu(gate.float())
-        return x.to(dtype)
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -135,8 +112,10 @@ class GatedDeltaNet(nn.Module):
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
                              f"linear_num_key_heads ({num_k_heads})")
-        if hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}")
+        try:
+            act = activation(hidden_act)
+        except ValueError:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}") from None
         self.hidden_size = hidden_size
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
@@ -145,7 +124,7 @@ class GatedDeltaNet(nn.Module):
         self.conv_kernel_size = conv_kernel_size
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.activation = hidden_act
-        self.act = _ACTIVATIONS[hidden_act]
+        self.act = act
 
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=conv_kernel_size, bias=False,
                                 groups=self.conv_dim, padding=conv_kernel_size - 1)

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import yaml
 
-from models.spec import ModelSpec, SpecError, spec_from_dict, spec_to_dict
+from models.activations import HF_NAMES
+from models.kinds import KINDS, from_hf_layer_type
+from models.spec import DTYPES, ModelSpec, SpecError, spec_from_dict, spec_to_dict
 
 # model_type -> family traits that config.json does not spell out.
 _FAMILIES = {
@@ -25,29 +27,15 @@ _FAMILIES = {
     # 5 sliding : 1 full layers with a local rope.
     "gemma3_text": {"qk_norm": True, "gemma": True},
     # Bamba: mamba2 layers with a few full-attention layers (attn_layer_indices).
-    "bamba": {"mamba": True},
+    "bamba": {"non_attn_layers": "mamba2"},
     # Qwen3-Next: gated DeltaNet layers, every n-th layer gated full attention, MoE MLPs,
     # (1 + w) norms, partial rotary.
     "qwen3_next": {"qk_norm": True, "offset_norm": True},
     # Granite-4.0-H: mamba2 + attention layers, MoE or dense shared MLP, muP-style multipliers.
-    "granitemoehybrid": {"mamba": True},
+    "granitemoehybrid": {"layer_types": {"linear_attention": "mamba2"}},
 }
 _BAMBA_NAMES = {"final_norm": "model.final_layernorm.weight", "post_attn_norm": "pre_ff_layernorm.weight",
                 "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj", "down": "feed_forward.down_proj"}
-
-
-def _mamba2(cfg: dict) -> dict:
-    heads, hidden = cfg["mamba_n_heads"], cfg["hidden_size"]
-    d_head = cfg.get("mamba_d_head", "auto")
-    if d_head in (None, "auto"):
-        d_head = cfg.get("mamba_expand", 2) * hidden // heads
-    return {"num_heads": heads, "head_dim": d_head, "state_size": cfg["mamba_d_state"],
-            "n_groups": cfg.get("mamba_n_groups", 1), "conv_kernel": cfg.get("mamba_d_conv", 4),
-            "chunk_size": cfg.get("mamba_chunk_size", 256), "conv_bias": bool(cfg.get("mamba_conv_bias", True)),
-            "proj_bias": bool(cfg.get("mamba_proj_bias", False)),
-            "time_step_limit": [float(x) for x in cfg.get("time_step_limit") or (0.0, float("inf"))]}
-_ACTS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-         "gelu": "gelu"}
 
 
 def _rope(cfg: dict, params: dict | None = None) -> dict:
@@ -75,14 +63,14 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         if cfg.get(key) is not None:
             raise SpecError(f"{where}: {key}: logit soft-capping is not supported yet")
     num_layers = cfg["num_hidden_layers"]
-    kinds = cfg.get("layer_types")
-    if model_type == "qwen3_next":
-        kinds = ["gated_deltanet" if k == "linear_attention" else k for k in kinds or []]
-    if model_type == "granitemoehybrid":
-        kinds = ["mamba2" if k in ("mamba", "linear_attention") else "full_attention" for k in kinds]
-    elif traits.get("mamba"):
+    # Layer kinds: from attn_layer_indices (Bamba), else from layer_types (a family's own
+    # spellings first, then each kind's `hf_layer_types`), else all attention.
+    if traits.get("non_attn_layers"):
         attn = set(cfg.get("attn_layer_indices") or [])
-        kinds = ["full_attention" if i in attn else "mamba2" for i in range(num_layers)]
+        kinds = ["full_attention" if i in attn else traits["non_attn_layers"] for i in range(num_layers)]
+    else:
+        aliases = traits.get("layer_types", {})
+        kinds = [aliases.get(t) or from_hf_layer_type(t) for t in cfg.get("layer_types") or []]
     if not kinds:
         kind = "sliding_attention" if model_type == "mistral" and cfg.get("sliding_window") else "full_attention"
         kinds = [kind] * num_layers
@@ -90,7 +78,7 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     per_kind = isinstance(rope_params.get("full_attention"), dict)
     heads = cfg["num_attention_heads"]
     act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
-    if act not in _ACTS:
+    if act not in HF_NAMES:
         raise SpecError(f"{where}: hidden_act: {act!r} is not supported")
     eos = cfg.get("eos_token_id")
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -116,10 +104,10 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             "qk_norm": traits.get("qk_norm", False),
             "bias": traits.get("qkv_bias", attn_bias),
             "o_bias": attn_bias and not traits.get("qkv_bias", False),
-            "sliding_window": cfg.get("sliding_window") if "sliding_attention" in kinds else None,
+            "sliding_window": None,     # the sliding_attention kind's importer sets it
             "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar") if gemma else None,
         },
-        "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": _ACTS[act],
+        "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": HF_NAMES[act],
                 "bias": bool(cfg.get("mlp_bias", False))},
         "norm": {"eps": float(cfg.get("rms_norm_eps", 1e-6)),
                  "offset": 1.0 if gemma or traits.get("offset_norm") else 0.0,
@@ -128,13 +116,14 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         "rope_local": _rope(cfg, rope_params["sliding_attention"]) if per_kind else None,
         "embedding_multiplier": float(cfg["hidden_size"]) ** 0.5 if gemma else 1.0,
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "dtype": dtype if dtype in ("float32", "bfloat16", "float16") else "float32",
+        "dtype": dtype if dtype in DTYPES else "float32",
         "max_model_len": int(cfg.get("max_position_embeddings", 4096)),
         "eos_token_ids": eos,
         "checkpoint": {"source": "hf", "path": str(hf_dir.resolve())},
     }
-    if traits.get("mamba"):
-        spec["mamba2"] = _mamba2(cfg)
+    for kind in KINDS.values():     # each kind present reads its own fields (its section, a window)
+        if kind.name in kinds:
+            kind.import_hf(cfg, spec)
     if model_type == "bamba":
         spec["weight_names"] = dict(_BAMBA_NAMES)
     if model_type == "granitemoehybrid":
@@ -152,10 +141,6 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
                        "shared_expert_intermediate_size": cfg["shared_intermediate_size"]}
     if model_type == "qwen3_next":
         spec["attention"]["output_gate"] = True
-        spec["gated_deltanet"] = {"num_k_heads": cfg["linear_num_key_heads"],
-                                  "num_v_heads": cfg["linear_num_value_heads"],
-                                  "head_k_dim": cfg["linear_key_head_dim"], "head_v_dim": cfg["linear_value_head_dim"],
-                                  "conv_kernel": cfg.get("linear_conv_kernel_dim", 4)}
         if cfg.get("num_experts", 0) > 0:
             spec["moe"] = {"num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
                            "intermediate_size": cfg["moe_intermediate_size"],

@@ -1,5 +1,8 @@
 """Layer modules: norms, rotary embedding, attention, MLP and the decoder layer.
 
+The decoder layer is the same for every layer kind: its mixer (attention, a state layer, ...)
+comes from the kind's registry entry (models.kinds), which also says how to call it.
+
 Modules work on the flattened token dimension ([num_tokens, hidden]) with no batch axis:
 the runner packs every scheduled request's tokens into one row, and attention finds each
 token's request through the per-step plan. Projections are fused (qkv, gate_up) so a layer
@@ -9,6 +12,7 @@ the checkpoint's separate tensors.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +21,11 @@ from torch import nn
 import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zooinfer::state_update)
 from attention.ops import paged_attention_op
 from models import fused
-from models.spec import ATTENTION_KINDS, ModelSpec, RopeSpec
+from models.activations import ACTIVATIONS
+
+if TYPE_CHECKING:   # models.spec imports the kind registry, which imports these modules
+    from models.kinds import LayerKind
+    from models.spec import ModelSpec, RopeSpec
 
 
 class RMSNorm(nn.Module):
@@ -47,6 +55,38 @@ class RMSNorm(nn.Module):
             return fused.add_rms_norm(x, residual, self.weight, self.eps, self.offset, multiplier)
         residual = residual + x * multiplier if multiplier != 1.0 else residual + x
         return self(residual), residual
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm with a silu gate, in the two orders the HF state mixers use (the weight is
+    `weight`, ones at init, so HF state dicts load 1:1):
+
+    - `gate_first` (Mamba2 / Bamba `MambaRMSNormGated`): x * silu(gate), RMS-normalised over
+      each group of `group_size` channels (None: all of them), times weight; float32 out.
+    - otherwise (Qwen3-Next `Qwen3NextRMSNormGated`): RMS-normalised x times weight in x's
+      dtype, then times silu(gate); out in x's dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, gate_first: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.group_size = group_size
+        self.gate_first = gate_first
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.gate_first:
+            x = x.float() * F.silu(gate.float())
+            shape = x.shape
+            if self.group_size is not None:
+                x = x.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight.float() * x.view(shape)
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = self.weight * x.to(dtype)
+        x = x * F.silu(gate.float())
+        return x.to(dtype)
 
 
 def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
@@ -140,13 +180,6 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
-
-
 class GatedMLP(nn.Module):
     """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(gate(x)) * up(x))."""
 
@@ -156,7 +189,7 @@ class GatedMLP(nn.Module):
         self.intermediate_size = m.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * m.intermediate_size, bias=m.bias)
         self.down_proj = nn.Linear(m.intermediate_size, spec.hidden_size, bias=m.bias)
-        self.act = _ACTIVATIONS[m.activation]
+        self.act = ACTIVATIONS[m.activation]
         self.activation = m.activation if m.activation in fused.ACTIVATIONS else None   # has a fused kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,51 +200,22 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
-def make_state_mixer(spec: ModelSpec, kind: str) -> nn.Module:
-    from models.gated_deltanet import GatedDeltaNet
-    from models.mamba2 import Mamba2Mixer
-    if kind == "mamba2":
-        m = spec.mamba2
-        return Mamba2Mixer(spec.hidden_size, m.num_heads, m.head_dim, m.state_size, n_groups=m.n_groups,
-                           conv_kernel=m.conv_kernel, chunk_size=m.chunk_size, use_conv_bias=m.conv_bias,
-                           use_bias=m.proj_bias, rms_norm_eps=spec.norm.eps,
-                           time_step_limit=tuple(m.time_step_limit))
-    g = spec.gated_deltanet
-    return GatedDeltaNet(spec.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim,
-                         conv_kernel_size=g.conv_kernel, rms_norm_eps=spec.norm.eps)
-
-
-def run_state_mixer(mixer: nn.Module, layer_id: int, hidden: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """Run a state layer on this step's requests.
-
-    `pages` is the layer's view of the pool ([num_blocks, page elements]). The projections
-    run here, in the graph; the state update (gather the requests' states from their pages
-    into one contiguous batch, update them, write them back) is the `zooinfer::state_update`
-    custom op, which finds the step's plan in the forward context by `layer_id`, so the
-    model compiles with fullgraph=True and the graph never sees host-side batch facts.
-    """
-    return mixer.forward_paged(hidden, pages, layer_id)
-
-
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)), where the mixer is
-    attention (full or sliding) or a state layer (mamba2, gated_deltanet). With sandwich
+    """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)), where the mixer is the one
+    `kind` makes (kept as `self_attn` or, for state layers, `mixer`). With sandwich
     norms (Gemma 2/3) each sub-block's output is normed too before the residual add:
     x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x))).
     Every residual add runs fused with the norm that follows it (`RMSNorm.add_forward`), vLLM
     style: the block's last add happens in the next layer's input norm (or the final norm)."""
 
-    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, kind: str = "full_attention"):
+    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, kind: LayerKind):
         super().__init__()
         n = spec.norm
         self.layer_id = layer_id
         self.input_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
-        if kind in ATTENTION_KINDS:
-            self.self_attn = Attention(spec, layer_id, rotary)
-            self.mixer = None
-        else:
-            self.self_attn = None
-            self.mixer = make_state_mixer(spec, kind)
+        self.self_attn = self.mixer = None     # the runtime finds state layers by `mixer`
+        setattr(self, kind.attr, kind.make_mixer(spec, layer_id, rotary))
+        self._mixer_attr, self._forward_mixer = kind.attr, kind.forward
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         if spec.moe is not None and spec.moe.is_moe(layer_id):
             from models.moe import GraniteMoEBlock, SparseMoE
@@ -231,9 +235,7 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
 
     def _mix(self, positions, h, cache):
-        if self.self_attn is not None:
-            return self.self_attn(positions, h, cache)
-        return run_state_mixer(self.mixer, self.layer_id, h, cache)
+        return self._forward_mixer(getattr(self, self._mixer_attr), self.layer_id, positions, h, cache)
 
     @property
     def delta_multiplier(self) -> float:

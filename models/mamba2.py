@@ -45,6 +45,7 @@ from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata
+from models.layers import GatedRMSNorm
 
 
 def segment_sum(x: torch.Tensor) -> torch.Tensor:
@@ -136,24 +137,6 @@ class Mamba2Plan:
                           final_aug, aug_same)
 
 
-class GatedRMSNorm(nn.Module):
-    """HF's MambaRMSNormGated / BambaRMSNormGated: x * silu(gate), then RMS-normalised over
-    each of the n_groups groups of `group_size` channels, times `weight` (all in float32)."""
-
-    def __init__(self, hidden_size: int, group_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.group_size = group_size
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x = x.float() * F.silu(gate.float())
-        shape = x.shape
-        x = x.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight.float() * x.view(shape)
-
-
 def hf_mixer_kwargs(config) -> dict:
     """Mamba2Mixer kwargs from an HF BambaConfig / GraniteMoeHybridConfig (mamba_* fields) or
     Mamba2Config (plain fields)."""
@@ -211,7 +194,7 @@ class Mamba2Mixer(nn.Module):
                                 padding=conv_kernel - 1, bias=use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, num_heads + 1, dtype=torch.float32)))
-        self.norm = GatedRMSNorm(inter, inter // n_groups, rms_norm_eps)
+        self.norm = GatedRMSNorm(inter, rms_norm_eps, group_size=inter // n_groups, gate_first=True)
         self.D = nn.Parameter(torch.ones(num_heads))
         self.out_proj = nn.Linear(inter, hidden_size, bias=use_bias)
 

@@ -25,23 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# Engine names (models.spec.ACTIVATIONS) plus the HF `hidden_act` spellings they stand for.
-_ACTIVATIONS = {
-    "silu": F.silu,
-    "swish": F.silu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
-
-
-def _activation(name: str):
-    try:
-        return _ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"activation {name!r} is not supported (one of {sorted(_ACTIVATIONS)})") from None
-
+from models import activations  # engine names and HF `hidden_act` spellings
 
 def _cfg(config: Any, key: str, default: Any = None) -> Any:
     if isinstance(config, Mapping):
@@ -67,7 +51,7 @@ def fused_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: tor
     num_tokens, top_k = top_k_index.shape
     if num_tokens == 0:
         return out
-    act = _activation(activation)
+    act = activations.activation(activation)
     flat_expert = top_k_index.reshape(-1)
     order = torch.argsort(flat_expert, stable=True)             # (token, slot) pairs grouped by expert
     token_idx = torch.div(order, top_k, rounding_mode="floor")
@@ -103,7 +87,7 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.activation = activation
-        self.act = _activation(activation)
+        self.act = activations.activation(activation)
         nn.init.normal_(self.gate_up_proj, std=0.02)
         nn.init.normal_(self.down_proj, std=0.02)
 
@@ -121,7 +105,7 @@ class GatedMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act = _activation(activation)
+        self.act = activations.activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -221,7 +205,7 @@ class GraniteSharedMLP(nn.Module):
         super().__init__()
         self.input_linear = nn.Linear(hidden_size, 2 * shared_intermediate_size, bias=False)
         self.output_linear = nn.Linear(shared_intermediate_size, hidden_size, bias=False)
-        self.act = _activation(activation)
+        self.act = activations.activation(activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.input_linear(x).chunk(2, dim=-1)

@@ -2,8 +2,12 @@
 
 A spec declares everything the builder needs (sizes, per-layer kinds, norms, rope, MLP,
 checkpoint source, HF weight names) so that a new architecture made of existing layer kinds
-is YAML, not Python. Parsing is strict: unknown fields, wrong types and bad values raise a
-one-line ``SpecError`` that names the file and the field path, e.g.
+is YAML, not Python. The layer kinds come from the registry in `models.kinds`: it names the
+kinds a spec may use, adds each kind's own section (`mamba2:`, `gated_deltanet:`) as an
+optional field of `ModelSpec`, its checkpoint names to `weight_names`, and its checks.
+
+Parsing is strict: unknown fields, wrong types and bad values raise a one-line ``SpecError``
+that names the file and the field path, e.g.
 ``zoo/x.yaml: layers.pattern[2]: unknown layer kind 'ful'``.
 """
 from __future__ import annotations
@@ -15,14 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
-# Layer kinds the zoo knows. Only full attention is built today; the others are declared so a
-# spec naming them gets a precise "not built yet" error rather than "unknown kind".
-IMPLEMENTED_LAYER_KINDS = ("full_attention", "sliding_attention", "mamba2", "gated_deltanet")
-ATTENTION_KINDS = ("full_attention", "sliding_attention")
-ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
-DTYPES = ("float32", "bfloat16", "float16")
+from models import kinds as layer_kinds
+from models.activations import ACTIVATIONS
+
+# A spec's `dtype` name -> the torch dtype the builder and the engine use.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
 ROPE_TYPES = ("default", "linear", "llama3", "none")   # none: no positional rotation (Granite 4.0-H)
 
@@ -71,31 +75,6 @@ class RopeSpec:
 
 
 @dataclass(slots=True)
-class Mamba2Spec:
-    """Mamba2 mixer (Bamba, Granite-4.0-H, Jamba-style hybrids)."""
-    num_heads: int
-    head_dim: int
-    state_size: int
-    n_groups: int = 1
-    conv_kernel: int = 4
-    expand: int | None = None            # intermediate = num_heads * head_dim
-    chunk_size: int = 256
-    conv_bias: bool = True
-    proj_bias: bool = False
-    time_step_limit: list = field(default_factory=lambda: [0.0, float("inf")])
-
-
-@dataclass(slots=True)
-class GatedDeltaNetSpec:
-    """Qwen3-Next linear attention (gated delta rule)."""
-    num_k_heads: int
-    num_v_heads: int
-    head_k_dim: int
-    head_v_dim: int
-    conv_kernel: int = 4
-
-
-@dataclass(slots=True)
 class MoESpec:
     """Sparse MoE MLP. style qwen (Qwen3-Next): softmax router, top-k (optionally
     renormalised), SwiGLU experts, plus a shared expert scaled by sigmoid(shared_expert_gate).
@@ -139,7 +118,8 @@ class CheckpointSpec:
 
 
 # Where each of our parameters lives in an HF checkpoint. Per-layer names are relative to
-# `layer` (with {i} the layer index). Defaults are the Llama family's names.
+# `layer` (with {i} the layer index). Defaults are the Llama family's names; each layer kind
+# adds its own (attention's q/k/v/o, a state kind's mixer prefix) from models.kinds.
 DEFAULT_WEIGHT_NAMES = {
     "embed": "model.embed_tokens.weight",
     "final_norm": "model.norm.weight",
@@ -149,22 +129,31 @@ DEFAULT_WEIGHT_NAMES = {
     "post_attn_norm": "post_attention_layernorm.weight",
     "pre_ffn_norm": "pre_feedforward_layernorm.weight",
     "post_ffn_norm": "post_feedforward_layernorm.weight",
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "q_norm": "self_attn.q_norm.weight",
-    "k_norm": "self_attn.k_norm.weight",
+    **layer_kinds.weight_names(),
     "gate": "mlp.gate_proj",
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
-    "mamba2": "mamba",                    # prefix of a mamba2 layer's mixer
-    "gated_deltanet": "linear_attn",      # prefix of a gated_deltanet layer's mixer
     "moe": "mlp",                         # prefix of an MoE block (router gate, experts.{e}.*, shared_expert*)
 }
 
 
+def _with_kind_sections(cls: type) -> type:
+    """Give `cls` one optional field per layer kind that owns a section (models.kinds), in
+    registry order after `rope_local`: the section is declared with its kind, and the checks
+    require it once a layer has that kind."""
+    annotations = {}
+    for name, tp in cls.__annotations__.items():
+        annotations[name] = tp
+        if name == "rope_local":
+            for kind in layer_kinds.sections():
+                annotations[kind.section] = typing.Optional[kind.section_spec]
+                setattr(cls, kind.section, None)
+    cls.__annotations__ = annotations
+    return cls
+
+
 @dataclass(slots=True)
+@_with_kind_sections
 class ModelSpec:
     name: str
     vocab_size: int
@@ -175,8 +164,7 @@ class ModelSpec:
     norm: NormSpec = field(default_factory=NormSpec)
     rope: RopeSpec = field(default_factory=RopeSpec)
     rope_local: RopeSpec | None = None   # rope of sliding_attention layers (Gemma 3: theta 1e4)
-    mamba2: Mamba2Spec | None = None     # required when a layer is mamba2
-    gated_deltanet: GatedDeltaNetSpec | None = None   # required when a layer is gated_deltanet
+    # here: one optional section per layer kind that owns one (mamba2, gated_deltanet, ...)
     moe: MoESpec | None = None            # MoE MLPs (others use `mlp`)
     embedding_multiplier: float = 1.0    # Gemma: sqrt(hidden_size)
     residual_multiplier: float = 1.0     # Granite: x + sublayer(x) * m
@@ -289,8 +277,8 @@ def _validate(spec: ModelSpec, fail) -> None:
     if lay.kinds is not None and len(lay.kinds) != lay.num:
         fail("layers.kinds", f"lists {len(lay.kinds)} layers but layers.num is {lay.num}")
     for i, kind in enumerate(kinds):
-        if kind not in IMPLEMENTED_LAYER_KINDS:
-            hint = _suggest(kind, IMPLEMENTED_LAYER_KINDS)
+        if kind not in layer_kinds.KINDS:
+            hint = _suggest(kind, list(layer_kinds.KINDS))
             fail(f"{kinds_field}[{i}]", f"unknown layer kind {kind!r}{hint}")
     choices = [("mlp.activation", spec.mlp.activation, ACTIVATIONS),
                ("dtype", spec.dtype, DTYPES),
@@ -303,11 +291,12 @@ def _validate(spec: ModelSpec, fail) -> None:
     for where, value, allowed in choices:
         if value not in allowed:
             fail(where, f"{value!r} is not one of {', '.join(allowed)}")
-    if any(k == "sliding_attention" for k in kinds) and not (a.sliding_window and a.sliding_window > 0):
-        fail("attention.sliding_window", "sliding_attention layers need a window > 0")
-    for kind in ("mamba2", "gated_deltanet"):
-        if kind in kinds and getattr(spec, kind) is None:
-            fail(kind, f"layers of kind {kind} need a '{kind}:' section")
+    for kind in layer_kinds.KINDS.values():
+        if kind.name not in kinds:
+            continue
+        if kind.section_spec is not None and getattr(spec, kind.section) is None:
+            fail(kind.section, f"layers of kind {kind.name} need a '{kind.section}:' section")
+        kind.validate(spec, fail)
     if a.query_pre_attn_scalar is not None and a.query_pre_attn_scalar <= 0:
         fail("attention.query_pre_attn_scalar", "must be > 0")
     if not 0 < spec.rope.partial_rotary_factor <= 1:

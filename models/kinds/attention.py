@@ -1,0 +1,77 @@
+"""full_attention and sliding_attention: the `Attention` mixer (models.layers) over the shared
+`attention:` section; they differ in their KV cache (all blocks kept vs. a window), their rope
+(`rope_local` for sliding layers) and the window they require."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from cache.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from models.kinds.base import Fail, LayerKind, Sources, linear_sources
+from models.layers import Attention
+
+if TYPE_CHECKING:
+    from models.spec import ModelSpec
+
+WEIGHT_NAMES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+}
+
+
+def make_mixer(spec: ModelSpec, layer_id: int, rotary: nn.Module) -> nn.Module:
+    return Attention(spec, layer_id, rotary)
+
+
+def forward(mixer: nn.Module, layer_id: int, positions: torch.Tensor, hidden: torch.Tensor,
+            kv_cache: torch.Tensor) -> torch.Tensor:
+    return mixer(positions, hidden, kv_cache)
+
+
+def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sources:
+    """q, k, v stacked into qkv_proj (q doubled with Qwen3-Next's output gate), o_proj, and
+    the per-head q/k norms when the spec has them."""
+    a, name = spec.attention, spec.weight_name
+    q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    qr = q * (2 if a.output_gate else 1)
+    qkv = [(name("q"), 0, qr), (name("k"), qr, kv), (name("v"), qr + kv, kv)]
+    src = linear_sources(ours + "qkv_proj", hf, qkv, a.bias)
+    src.update(linear_sources(ours + "o_proj", hf, [(name("o"), 0, spec.hidden_size)], a.o_bias))
+    if a.qk_norm:
+        src[ours + "q_norm.weight"] = [(hf + name("q_norm"), 0, a.head_dim)]
+        src[ours + "k_norm.weight"] = [(hf + name("k_norm"), 0, a.head_dim)]
+    return src
+
+
+def full_cache_spec(spec: ModelSpec, mixer: nn.Module, block_size: int, dtype: torch.dtype) -> FullAttentionSpec:
+    a = spec.attention
+    return FullAttentionSpec(block_size, a.num_kv_heads, a.head_dim, dtype)
+
+
+def sliding_cache_spec(spec: ModelSpec, mixer: nn.Module, block_size: int, dtype: torch.dtype) -> SlidingWindowSpec:
+    a = spec.attention
+    return SlidingWindowSpec(block_size, a.num_kv_heads, a.head_dim, dtype, a.sliding_window or 0)
+
+
+def validate_sliding(spec: ModelSpec, fail: Fail) -> None:
+    window = spec.attention.sliding_window
+    if not (window and window > 0):
+        fail("attention.sliding_window", "sliding_attention layers need a window > 0")
+
+
+def import_sliding(cfg: dict, spec: dict) -> None:
+    spec["attention"]["sliding_window"] = cfg.get("sliding_window")
+
+
+_common = dict(section="attention", section_spec=None, attr="self_attn", make_mixer=make_mixer, forward=forward,
+               weight_names=WEIGHT_NAMES, weight_sources=weight_sources)
+
+FULL = LayerKind(name="full_attention", cache_spec=full_cache_spec, hf_layer_types=("attention",), **_common)
+SLIDING = LayerKind(name="sliding_attention", cache_spec=sliding_cache_spec, validate=validate_sliding,
+                    import_hf=import_sliding, local_rope=True, **_common)
