@@ -3,20 +3,19 @@
 One call serves a batch mixing prefill chunks and decodes. The plan splits the batch once
 per step into
 - decodes (one query token): on CPU, attention straight from the pages with no gather and
-  no padding. float32 decodes run in the C++ kernel of `attention.cpu_ops` when it built
-  (one token-major pass over each request's pages, ~1.5x faster per layer at 64-256
-  decodes; `ZOOINFER_CPU_KERNELS=0` turns it off); otherwise the sparse path: every key of
+  no padding. float32 decodes run in the C++ kernel `paged_decode` when it built (one
+  token-major pass over each request's pages; `ZOOINFER_CPU_KERNELS=0` turns it off);
+  otherwise the sparse path: every key of
   every request is a row of the cache seen as `[rows, head_dim]`, so the scores are a
   sampled dense-dense product (`torch.sparse.sampled_addmm`) over a CSR pattern with one row
   per (head, request) and the request's key rows as columns, and the value sum is a
   weighted `embedding_bag` over the matching value rows. Each byte of K and V in context is
   read once; the gather + padded-SDPA path read it three times plus padding.
 - the rest (prefill chunks, several tokens after a preemption): on CPU, float32, when the
-  C++ library built, `cpu_ops.paged_prefill`: varlen causal attention straight from the
-  pages, bottom-right aligned (earlier chunks and prefix hits live only in the pages), each
-  query tile reading only the keys it can see (per layer ~3x faster than the padded path on
-  fresh 64-256-token prompts, ~2x after a 512-token prefix: no padding to the longest
-  chunk, no masked upper triangle).
+  C++ library built, `paged_prefill`: varlen causal attention straight from the pages,
+  bottom-right aligned (earlier chunks and prefix hits live only in the pages), each query
+  tile reading only the keys it can see: no padding to the longest chunk, no masked upper
+  triangle (`python -m bench.cpu_attention` measures both against the padded path).
   Otherwise (other devices and dtypes, and decodes where the sparse kernels do not apply:
   half precision) the padded path: K and V pages gathered once each, then one batched SDPA
   with queries padded to the longest chunk and a causal-by-position mask; it is planned

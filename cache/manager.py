@@ -2,9 +2,10 @@
 
 `KVCacheManager` is what the scheduler talks to. It allocates for every KV cache group of a
 request at once (all or nothing, so a request never holds half its pages) and frees them
-together. Per-kind managers know how many blocks a kind needs for a token count; full
-attention keeps one block per `block_size` tokens. Sliding-window and state managers plug in
-beside `FullAttentionManager` in the hybrid issue.
+together; it also finds prefix hits that hold for every group, forks a request's blocks
+(copy-on-write) and plans state checkpoints. Per-kind managers know what a kind keeps: full
+attention one block per `block_size` tokens, sliding windows only the blocks a future query
+can see, state layers one fixed set of pages per request (plus checkpoint copies).
 """
 from __future__ import annotations
 

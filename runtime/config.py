@@ -19,7 +19,7 @@ class EngineConfig:
     device: str = "cpu"
     compile: bool = False                   # whole-model torch.compile, warmed up at engine start
     compile_cache_dir: str | None = None    # TORCHINDUCTOR_CACHE_DIR for compile; None: leave the env alone
-    enable_prefix_caching: bool = True      # hits need every KV cache group (not state layers yet)
+    enable_prefix_caching: bool = True      # a hit must hold for every KV cache group (states: checkpoints)
     cuda_graphs: bool = False               # replay captured decode steps (device='cuda', flashinfer)
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)

@@ -2,7 +2,11 @@
 
 FastAPI + uvicorn in front of the AsyncEngine. Endpoints: POST /v1/completions and
 /v1/chat/completions (streaming as server-sent events), GET /v1/models, /health and
-/metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise.
+/metrics (Prometheus). Binds 127.0.0.1 unless --host says otherwise, before the model loads.
+Request schemas are `openai_protocol`, the bounds on their values `limits` (shared with
+`LLM`), body limits and the API key `http_guards`; a prompt's n samples are the engine's
+forks (`parallel_sampling`). A request's failure is that request's error (400 for what it
+sent, 500 for ours); only a failed engine step is a 503 for everyone.
 """
 from __future__ import annotations
 
