@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from attention import cpu_ops
+from kernels import cpu_build
 from models import fused
 from models.prepack import make_screen, pack_panels
 
@@ -37,10 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--heads", default="tiny,smollm2")
     args = ap.parse_args(argv)
-    if not cpu_ops.available():
+    if not cpu_build.available():
         raise SystemExit("the C++ CPU kernels are not available here")
     torch.set_num_threads(args.threads)
-    amx = cpu_ops.amx_available()
+    amx = cpu_build.amx_available()
     print(f"threads {torch.get_num_threads()}, AMX {'yes' if amx else 'no (screened path skipped)'}")
     g = torch.Generator().manual_seed(0)
     for head in args.heads.split(","):

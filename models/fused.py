@@ -1,7 +1,7 @@
 """Fused CPU kernels for the elementwise parts of a decoder layer, and when to use them.
 
 In eager mode every torch op is its own pass over memory: RMSNorm is six of them, rope a
-dozen, act(gate) * up three. The C++ ops in attention/cpu_kernels/fused_elementwise.cpp do
+dozen, act(gate) * up three. The C++ ops in kernels/cpu/fused_elementwise.cpp do
 each in one pass per row (same fp32 formulas, a few ulp apart). `use_kernel` says when they
 apply: eager mode only (under torch.compile the torch code stays, so inductor fuses it
 itself and the graph has no opaque ops), fp32 CPU tensors, no autograd (the ops have no
@@ -16,11 +16,11 @@ import sys
 
 import torch
 
-from attention import cpu_ops
+from kernels import cpu_build
 
 ENABLED = True
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}   # activation name -> the act_mul kernel's `kind`
-# Row counts for which `linear_argmax` (attention/cpu_kernels/linear_argmax.cpp) beats the LM
+# Row counts for which `linear_argmax` (kernels/cpu/linear_argmax.cpp) beats the LM
 # head product + argmax on this project's bench machine (2 threads, tiny Llama and SmolLM2
 # heads): from 24 rows up, 15-45% faster (1024 rows included: it passes over the weight once
 # per 64 rows, but never writes or re-reads the logits). Fewer rows leave most of its
@@ -41,7 +41,7 @@ def use_kernel(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32:
             return False
-    return cpu_ops.available()
+    return cpu_build.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:

@@ -7,9 +7,9 @@ model. The weights do not fit the cache, so the step streams all of them from DR
 How, two kinds of packed copy (each linear holds exactly one; `choose_kind` picks one per
 model: panels when its linear weights are larger than the last-level cache, so a decode step
 streams them from DRAM, MKL packed when they stay cached and the products are compute-bound):
-- panels (needs the C++ kernel library, `cpu_ops.available()`): the
+- panels (needs the C++ kernel library, `cpu_build.available()`): the
   weight `[N, K]` as column panels `[ceil(N/32), K, 32]` (zero-padded in N), multiplied by
-  `zooinfer_cpu::panel_linear` (attention/cpu_kernels/panel_gemm.cpp), which streams each
+  `zooinfer_cpu::panel_linear` (kernels/cpu/panel_gemm.cpp), which streams each
   weight byte once in address order while the FMA units work on the previous ones. It is
   used for products of up to `PANEL_MAX_ROWS` rows (decode steps); larger products (prefill
   chunks) run plain `F.linear` on the original weight, which MKL computes as fast as its
@@ -37,7 +37,7 @@ weight by key.
 The LM head gets panels whatever the model's kind (when the kernel library is built): greedy
 steps then take their tokens straight from its panels (`linear_argmax`, see
 `CausalLM.greedy_tokens`), which beats MKL's product plus an argmax even where the weights
-stay cached. Where AMX is usable (`cpu_ops.amx_available()`) the head also gets a bf16 copy
+stay cached. Where AMX is usable (`cpu_build.amx_available()`) the head also gets a bf16 copy
 in AMX tiles (`Bf16Screen`): greedy steps then screen the vocabulary in bf16 and decide among
 the few rows within the screen's error bound in fp32 (`screened_argmax`, same tokens, 1.3-3.5x
 faster than `linear_argmax`); it costs half the head's fp32 bytes more.
@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import cpu_ops
+from kernels import cpu_build
 from models import fused
 
 _PACKED: dict[int, tuple[str, torch.Tensor]] = {}    # key -> (kind, packed weight), for the compiled path
@@ -97,7 +97,7 @@ def mkl_supported() -> bool:
 
 def supported() -> bool:
     """Whether weights can be packed here: the C++ panel kernel or MKL's packed GEMM."""
-    return cpu_ops.available() or mkl_supported()
+    return cpu_build.available() or mkl_supported()
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
@@ -240,7 +240,7 @@ def _pack(linear: nn.Linear, kind: str | None = None) -> tuple[torch.Tensor, str
     if b is not None and (b.dtype != torch.float32 or b.device.type != "cpu"):
         return None
     if kind is None:
-        kind = "panel" if cpu_ops.available() else "mkl" if mkl_supported() else None
+        kind = "panel" if cpu_build.available() else "mkl" if mkl_supported() else None
     if kind is None:
         return None
     with torch.no_grad():
@@ -261,7 +261,7 @@ def choose_kind(weight_bytes: int) -> str | None:
     """The packed kind for a model whose packable linear weights take `weight_bytes`: panels
     when they exceed the last-level cache (or MKL is missing), else MKL (or panels when only
     the kernel library exists); None when neither is available."""
-    panels, mkl = cpu_ops.available(), mkl_supported()
+    panels, mkl = cpu_build.available(), mkl_supported()
     if panels and (weight_bytes > PANEL_MIN_WEIGHT_BYTES or not mkl):
         return "panel"
     return "mkl" if mkl else None
@@ -286,7 +286,7 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
         if kind is None:
             return 0
     packed, failed = 0, []
-    head_on_panels = head is not None and cpu_ops.available()
+    head_on_panels = head is not None and cpu_build.available()
     for parent, name, child in targets:
         is_head = head_on_panels and parent is model and name == head
         p = _pack(child, "panel" if is_head else kind)
@@ -295,7 +295,7 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
                 failed.append(name)
             continue
         linear = PackedLinear(child, *p)
-        if is_head and cpu_ops.amx_available():
+        if is_head and cpu_build.amx_available():
             linear.screen = _checked_screen(child.weight.detach(), linear.packed)
         setattr(parent, name, linear)
         packed += 1

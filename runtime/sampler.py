@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import cpu_ops
+from kernels import cpu_build
 
 
 @dataclass(slots=True)
@@ -104,7 +104,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     the C++ `argmax_rows` (one vectorised pass per row, no small-op thread hand-offs: 0.37 vs
     2.0 ms for 64 x 32000 at 2 threads) when the kernel library is built."""
     n, vocab = x.shape
-    if x.device.type == "cpu" and x.dtype == torch.float32 and vocab and cpu_ops.available():
+    if x.device.type == "cpu" and x.dtype == torch.float32 and vocab and cpu_build.available():
         return torch.ops.zooinfer_cpu.argmax_rows(x)
     if vocab <= 2 * _ARGMAX_CHUNK or x.device.type != "cpu":
         return x.argmax(dim=-1)

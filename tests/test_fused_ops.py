@@ -1,4 +1,4 @@
-"""The fused CPU elementwise kernels (attention/cpu_kernels/fused_elementwise.cpp via
+"""The fused CPU elementwise kernels (kernels/cpu/fused_elementwise.cpp via
 models/fused.py) against the torch code they replace in models/layers.py: each module runs
 once with the kernel and once with `fused.ENABLED = False` (its torch path) on the same
 inputs. Shapes cover one row, odd sizes, the strided q/k views the qkv split produces,
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention import cpu_ops
+from kernels import cpu_build
 from models import fused
 from models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from models.spec import MLPSpec, RopeSpec
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the C++ CPU kernels did not build (see the warning)"
+    assert cpu_build.available(), "the C++ CPU kernels did not build (see the warning)"
 
 
 @pytest.fixture(autouse=True)

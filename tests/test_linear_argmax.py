@@ -9,11 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from attention import cpu_ops
+from kernels import cpu_build
 from models import fused
 from models.prepack import PackedLinear, pack_panels, prepack_linears
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_ops.available(),
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_build.available(),
                                 reason="no C++ CPU kernels")
 
 
@@ -125,7 +125,7 @@ def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch, op,
     """30 greedy requests decode together: tokens equal with the fused head (the fp32 kernel, or
     the bf16 screen where AMX is usable) and with logits + sampler; requests that want
     logprobs take the logits."""
-    if op == "screened_argmax" and not cpu_ops.amx_available():
+    if op == "screened_argmax" and not cpu_build.amx_available():
         pytest.skip("no AMX")
     from runtime import LLM, SamplingParams
     path, _ = tiny_hf("llama")

@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import cpu_ops
+from kernels import cpu_build
 from models import prepack
 from models.prepack import PackedLinear, prepack_linears
 
 pytestmark = pytest.mark.skipif(not prepack.supported(), reason="neither the C++ kernels nor MKL available")
-needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="C++ CPU kernels unavailable")
-KINDS = [k for k, ok in (("panel", cpu_ops.available()), ("mkl", prepack.mkl_supported())) if ok]
+needs_kernels = pytest.mark.skipif(not cpu_build.available(), reason="C++ CPU kernels unavailable")
+KINDS = [k for k, ok in (("panel", cpu_build.available()), ("mkl", prepack.mkl_supported())) if ok]
 
 
 @pytest.fixture(autouse=True)
@@ -184,7 +184,7 @@ def test_engine_outputs_identical_with_and_without_packing(tiny_hf, monkeypatch,
     fit the cache, so by size it gets the cached-weights kind; `forced` puts it on panels."""
     from runtime import LLM, SamplingParams
     if forced == "panel":
-        if not cpu_ops.available():
+        if not cpu_build.available():
             pytest.skip("C++ CPU kernels unavailable")
         monkeypatch.setattr(prepack, "PANEL_MIN_WEIGHT_BYTES", 0)
     path, _ = tiny_hf("llama")
@@ -215,6 +215,6 @@ def test_kind_follows_whether_the_weights_fit_the_last_level_cache(monkeypatch):
         assert prepack.choose_kind(llc) == "mkl"
     monkeypatch.setattr(prepack, "mkl_supported", lambda: False)
     assert prepack.choose_kind(0) == "panel"
-    monkeypatch.setattr(prepack.cpu_ops, "available", lambda: False)
+    monkeypatch.setattr(prepack.cpu_build, "available", lambda: False)
     assert prepack.choose_kind(llc + 1) is None
 

@@ -9,11 +9,11 @@ import shutil
 import pytest
 import torch
 
-from attention import cpu_ops
+from kernels import cpu_build
 from models import fused
 from models.prepack import make_screen, pack_panels, prepack_linears
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_ops.amx_available(),
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_build.amx_available(),
                                 reason="no AMX (or no C++ CPU kernels)")
 
 
