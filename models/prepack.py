@@ -50,23 +50,19 @@ weight bytes. `EngineConfig.prepack_weights=False` turns it off.
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_build
-from models import fused
+from kernels import cpu_build, gemm, lm_head
 
 _PACKED: dict[int, tuple[str, torch.Tensor]] = {}    # key -> (kind, packed weight), for the compiled path
 _keys = itertools.count()
 _CHECK_ROWS = (1, 3, 17, 64)
-NR = 32                     # panel width (panel_gemm.cpp: two 16-float vectors)
 PANEL_MAX_ROWS = 64         # products of more rows run F.linear (streamed: panels win up to 64 rows, lose at 96+)
 MKL_MAX_ROWS = 256          # likewise for MKL packing: 5-7% faster at 128-256 rows, 1-5% slower from 512 (tiny Llama)
 
@@ -100,78 +96,20 @@ def supported() -> bool:
     return cpu_build.available() or mkl_supported()
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """`w [N, K]` as contiguous column panels `[ceil(N/NR), K, NR]`, zero-padded past N."""
-    n, k = w.shape
-    full, tail = divmod(n, NR)
-    panels = torch.zeros(full + (tail > 0), k, NR, dtype=w.dtype)
-    with torch.no_grad():
-        panels[:full] = w[:full * NR].view(full, NR, k).transpose(1, 2)
-        if tail:
-            panels[full, :, :tail] = w[full * NR:].T
-    return panels
-
-
-VT, KT = 16, 32             # AMX bf16 A tile: 16 rows x 32 k (screened_argmax.cpp)
-
-
-@dataclass(frozen=True, slots=True)
-class Bf16Screen:
-    """The LM head in bf16 AMX tiles for `screened_argmax`, with the largest row norms of W,
-    of its bf16 rounding W^ and of W - W^ (float64, from the actual rounding): they bound how
-    far a bf16 logit can be from the fp32 one, which decides which rows stay candidates."""
-    tiles: torch.Tensor     # bf16 [NT, KS, 16, 32], NT = 2 * ceil(N / 32), KS = ceil(K / 32)
-    w_norm: float
-    wb_norm: float
-    dw_norm: float
-
-
-def pack_bf16_tiles(w: torch.Tensor) -> torch.Tensor:
-    """`w [N, K]` rounded to bf16 as AMX A tiles `[NT, KS, 16, 32]`: tile (t, s) holds
-    w[16t : 16t+16, 32s : 32s+32] row-major, zero-padded to an even NT and to KS * 32 columns."""
-    n, k = w.shape
-    nt, ks = 2 * -(-n // (2 * VT)), -(-k // KT)
-    tiles = torch.zeros(nt * VT, ks * KT, dtype=torch.bfloat16)
-    with torch.no_grad():
-        tiles[:n, :k] = w
-    return tiles.view(nt, VT, ks, KT).transpose(1, 2).contiguous()
-
-
-def make_screen(w: torch.Tensor, chunk_rows: int = 4096) -> Bf16Screen | None:
-    """The bf16 screen of a contiguous fp32 CPU head weight, or None (other weights, or
-    non-finite entries: no error bound then)."""
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2 or w.numel() == 0:
-        return None
-    norms = [0.0, 0.0, 0.0]
-    with torch.no_grad():
-        for start in range(0, w.shape[0], chunk_rows):   # float64 copies a chunk at a time
-            wd = w[start:start + chunk_rows].double()
-            wh = w[start:start + chunk_rows].bfloat16().double()
-            for i, t in enumerate((wd, wh, wd - wh)):
-                norms[i] = max(norms[i], float(t.norm(dim=1).max()))
-    if not all(math.isfinite(v) for v in norms):
-        return None
-    return Bf16Screen(pack_bf16_tiles(w), *norms)
-
-
-def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> Bf16Screen | None:
-    """`make_screen(w)` if `screened_argmax` on it returns `linear_argmax`'s tokens for random
-    rows (as packed weights are checked against `F.linear`), else None with a warning."""
-    screen = make_screen(w)
+def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> lm_head.Bf16Screen | None:
+    """`lm_head.make_screen(w)` if `screened_argmax` on it returns `linear_argmax`'s tokens for
+    random rows (as packed weights are checked against `F.linear`), else None with a warning."""
+    screen = lm_head.make_screen(w)
     if screen is None:
         return None
     x = torch.randn(max(_CHECK_ROWS), w.shape[1], generator=torch.Generator().manual_seed(0))
-    want = fused.linear_argmax(x, panels, w.shape[0])
-    got = fused.screened_argmax(x, panels, w.shape[0], screen)
+    want = lm_head.linear_argmax(x, panels, w.shape[0])
+    got = lm_head.screened_argmax(x, panels, w.shape[0], screen)
     if not torch.equal(got, want):
         warnings.warn("the LM head's bf16 screen disagreed with its fp32 argmax; greedy steps use the fp32 "
                       "kernel", RuntimeWarning, stacklevel=3)
         return None
     return screen
-
-
-def _panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.zooinfer_cpu.panel_linear(x, panels, n, bias)
 
 
 def _packed_matmul(x: torch.Tensor, kind: str, packed: torch.Tensor, weight: torch.Tensor,
@@ -185,7 +123,7 @@ def _packed_matmul(x: torch.Tensor, kind: str, packed: torch.Tensor, weight: tor
     if rows > PANEL_MAX_ROWS:
         return F.linear(x, weight, bias)
     x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k)
-    out = _panel_linear(x2, packed, weight.shape[0], bias)
+    out = gemm.panel_linear(x2, packed, weight.shape[0], bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -215,7 +153,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.kind = kind
         self.packed = packed                 # a plain attribute, not a buffer (state dicts stay unchanged)
-        self.screen: Bf16Screen | None = None   # the LM head's bf16 copy, set by `prepack_linears`
+        self.screen: lm_head.Bf16Screen | None = None   # the LM head's bf16 copy, set by `prepack_linears`
         self.key = next(_keys)
         _PACKED[self.key] = (kind, packed)
         weakref.finalize(self, _PACKED.pop, self.key, None)
@@ -245,7 +183,7 @@ def _pack(linear: nn.Linear, kind: str | None = None) -> tuple[torch.Tensor, str
         return None
     with torch.no_grad():
         w = w.detach()
-        packed = pack_panels(w) if kind == "panel" else torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
+        packed = gemm.pack_panels(w) if kind == "panel" else torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
         gen = torch.Generator().manual_seed(0)
         for rows in _CHECK_ROWS:
             x = torch.randn(rows, w.shape[1], generator=gen)

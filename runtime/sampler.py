@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_build
+from kernels import cpu_build, lm_head
 
 
 @dataclass(slots=True)
@@ -105,7 +105,7 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     2.0 ms for 64 x 32000 at 2 threads) when the kernel library is built."""
     n, vocab = x.shape
     if x.device.type == "cpu" and x.dtype == torch.float32 and vocab and cpu_build.available():
-        return torch.ops.zooinfer_cpu.argmax_rows(x)
+        return lm_head.argmax_rows(x)
     if vocab <= 2 * _ARGMAX_CHUNK or x.device.type != "cpu":
         return x.argmax(dim=-1)
     c = _ARGMAX_CHUNK
