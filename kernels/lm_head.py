@@ -11,6 +11,9 @@
 All three return exactly torch.argmax's index: the first maximum, NaN counting as the maximum.
 `python -m bench.greedy_head` times them against the product + argmax they replace; the
 README ("Execution") has the numbers.
+
+`GreedyHead` is the one place that picks among them (and the torch fallbacks): the model
+runner asks it for an all-greedy step's tokens, the sampler for the argmax of its logits.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import sys
 from dataclasses import dataclass
 
 import torch
+
+from kernels import cpu_build, elementwise
 
 # Row counts for which `linear_argmax` replaces the LM head product + argmax: from 24 rows up
 # it is faster (it passes over the weight once per 64 rows but never writes or re-reads the
@@ -88,3 +93,82 @@ def screened_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, screen: Bf16S
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of a float32 CPU matrix in one vectorised pass per row. Returns int64 [rows]."""
     return torch.ops.zooinfer_cpu.argmax_rows(x)
+
+
+_ARGMAX_CHUNK = 128
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(-1)` of a 2-D tensor, same result (the first maximal index, NaN counts as the
+    maximum), faster on CPU. CPU float32 goes to `argmax_rows` when the kernel library is
+    built (one vectorised pass per row, no small-op thread hand-offs). Otherwise, on CPU,
+    rows longer than two chunks use chunk maxima: torch's argmax over the last dim is a
+    scalar loop while `amax` is vectorised, so the chunk maxima find the first chunk holding
+    the row's maximum and the argmax inside that one chunk finds the first index of it.
+    Other devices: torch's argmax."""
+    n, vocab = x.shape
+    if x.device.type == "cpu" and x.dtype == torch.float32 and vocab and cpu_build.available():
+        return argmax_rows(x)
+    if vocab <= 2 * _ARGMAX_CHUNK or x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    c = _ARGMAX_CHUNK
+    full = vocab // c
+    chunk_max = x[:, :full * c].reshape(n, full, c).amax(dim=-1)
+    if vocab % c:
+        chunk_max = torch.cat([chunk_max, x[:, full * c:].amax(dim=-1, keepdim=True)], dim=1)
+    chunk = chunk_max.argmax(dim=-1)
+    cols = (chunk[:, None] * c + torch.arange(c, device=x.device)).clamp_(max=vocab - 1)
+    return chunk * c + x.gather(1, cols).argmax(dim=-1)
+
+
+class GreedyHead:
+    """How greedy tokens come out of one LM head: the only place that picks the path.
+
+    `head` is the LM head module (None: logits only). When it carries the head's panels
+    (`kind == "panel"`, `packed`, `out_features`: a `models.prepack.PackedLinear`), has no
+    bias, the logits are unscaled (scaling can round two logits into a tie that the raw
+    products do not have) and the fused kernels apply to the hidden states (eager, fp32 CPU,
+    no grad, library built: `elementwise.use_kernel`), `tokens` skips the logits:
+    `screened_argmax` when the head also carries a bf16 `screen` and the row count is in
+    `SCREENED_ROWS`, else `linear_argmax` in `GREEDY_ROWS`. Otherwise the logits are computed
+    and `argmax` takes their argmax. Every path gives `compute_logits(hidden).argmax(-1)` exactly.
+    """
+
+    __slots__ = ("head", "logits_scaling")
+
+    def __init__(self, head=None, logits_scaling: float = 1.0):
+        self.head = head
+        self.logits_scaling = logits_scaling
+
+    def path(self, hidden: torch.Tensor) -> str:
+        """The path `tokens` takes for these hidden states: "screened_argmax", "linear_argmax",
+        or "logits" (the caller computes the logits; `argmax` then picks from them)."""
+        head = self.head
+        if (getattr(head, "kind", None) != "panel" or head.bias is not None or self.logits_scaling != 1.0
+                or not elementwise.use_kernel(hidden)):
+            return "logits"
+        rows = hidden.shape[0]
+        if getattr(head, "screen", None) is not None and rows in SCREENED_ROWS:
+            return "screened_argmax"
+        return "linear_argmax" if rows in GREEDY_ROWS else "logits"
+
+    def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Greedy tokens of `hidden [rows, hidden_size]` straight from the head, without logits;
+        None where no fused path applies (`path` says "logits")."""
+        path = self.path(hidden)
+        head = self.head
+        if path == "screened_argmax":
+            return screened_argmax(hidden, head.packed, head.out_features, head.screen)
+        if path == "linear_argmax":
+            return linear_argmax(hidden, head.packed, head.out_features)
+        return None
+
+    @staticmethod
+    def argmax(logits: torch.Tensor) -> torch.Tensor:
+        """Greedy tokens of `logits [rows, vocab]` (module-level `argmax`)."""
+        return argmax(logits)
+
+    def __call__(self, hidden: torch.Tensor, compute_logits) -> torch.Tensor:
+        """Greedy tokens of `hidden`: `tokens(hidden)`, else `argmax(compute_logits(hidden))`."""
+        tokens = self.tokens(hidden)
+        return tokens if tokens is not None else argmax(compute_logits(hidden))

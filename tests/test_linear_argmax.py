@@ -1,6 +1,6 @@
 """Greedy tokens from the LM head panels without logits (`zooinfer_cpu::linear_argmax`):
 exactly torch's argmax of the product (first index among ties, NaN counts as the maximum),
-the model's gate (`CausalLM.greedy_tokens`), and the engine's outputs with it on and off."""
+the model's gate (`CausalLM.greedy_head`, a `kernels.lm_head.GreedyHead`), and the engine's outputs with it on and off."""
 from __future__ import annotations
 
 import shutil
@@ -109,16 +109,21 @@ def test_greedy_tokens_gate(tiny_hf, monkeypatch):
     model = _head_model(tiny_hf)
     h = torch.randn(40, model.spec.hidden_size)
     with torch.inference_mode():
-        assert model.greedy_tokens(h) is None                 # head not packed: no panels
-        prepack_linears(model)
+        assert model.greedy_head.tokens(h) is None                 # head not packed: no panels
+        assert model.greedy_head.path(h) == "logits"
         want = model.compute_logits(h).argmax(-1)
-        assert torch.equal(model.greedy_tokens(h), want)
-        assert model.greedy_tokens(h[:3]) is None             # outside lm_head.GREEDY_ROWS
+        assert torch.equal(model.greedy_head(h, model.compute_logits), want)   # logits + argmax
+        prepack_linears(model)
+        assert model.greedy_head.path(h) == "linear_argmax"
+        assert torch.equal(model.greedy_head.tokens(h), want)
+        assert torch.equal(model.greedy_head(h, None), want)       # no logits needed
+        assert model.greedy_head.tokens(h[:3]) is None             # outside lm_head.GREEDY_ROWS
+        assert torch.equal(model.greedy_head(h[:3], model.compute_logits), want[:3])
         monkeypatch.setattr(elementwise, "ENABLED", False)
-        assert model.greedy_tokens(h) is None
+        assert model.greedy_head.tokens(h) is None
         monkeypatch.setattr(elementwise, "ENABLED", True)
         monkeypatch.setattr(model.spec, "logits_scaling", 2.0)
-        assert model.greedy_tokens(h) is None                 # scaling could round logits into a tie
+        assert model.greedy_head.tokens(h) is None                 # scaling could round logits into a tie
 
 
 @pytest.mark.parametrize("op, gate", [("linear_argmax", "GREEDY_ROWS"), ("screened_argmax", "SCREENED_ROWS")])

@@ -408,7 +408,7 @@ def test_chunked_argmax_equals_torch_argmax(vocab, kernel, monkeypatch):
     exactly torch's argmax: first index among ties, NaN counted as the maximum, all -inf rows
     give 0, a maximum in the ragged last chunk."""
     from kernels import cpu_build
-    from runtime.sampler import _argmax
+    from kernels.lm_head import argmax as _argmax
     if kernel and not cpu_build.available():
         pytest.skip("C++ CPU kernels unavailable")
     if not kernel:

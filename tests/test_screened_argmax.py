@@ -150,7 +150,7 @@ def test_model_uses_the_screen_for_any_rows(tiny_hf, monkeypatch):
         monkeypatch.setattr(lm_head, "screened_argmax", lambda *a: calls.append(a[0].shape[0]) or real(*a))
         for rows in (1, 3, 40):
             h = torch.randn(rows, model.spec.hidden_size)
-            assert torch.equal(model.greedy_tokens(h), model.compute_logits(h).argmax(-1))
+            assert torch.equal(model.greedy_head.tokens(h), model.compute_logits(h).argmax(-1))
         assert calls == [1, 3, 40]
         monkeypatch.setattr(lm_head, "SCREENED_ROWS", range(0))
-        assert model.greedy_tokens(torch.randn(3, model.spec.hidden_size)) is None   # back to GREEDY_ROWS
+        assert model.greedy_head.tokens(torch.randn(3, model.spec.hidden_size)) is None   # back to GREEDY_ROWS
