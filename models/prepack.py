@@ -1,30 +1,25 @@
-"""Pre-packed weights for the CPU float32 linears (`prepack_linears`).
+"""Pre-packed weights for the CPU float32 linears (`prepack_linears`): which linears, which copy.
 
 Why: a decode step multiplies few rows (one per running request) by every weight of the
 model. The weights do not fit the cache, so the step streams all of them from DRAM, and
 `F.linear` (MKL sgemm) also re-packs each weight into its blocked layout on every call.
 
-How, two kinds of packed copy (each linear holds exactly one; `choose_kind` picks one per
-model: panels when its linear weights are larger than the last-level cache, so a decode step
-streams them from DRAM, MKL packed when they stay cached and the products are compute-bound):
-- panels (needs the C++ kernel library, `cpu_build.available()`): the
-  weight `[N, K]` as column panels `[ceil(N/32), K, 32]` (zero-padded in N), multiplied by
-  `zooinfer_cpu::panel_linear` (kernels/cpu/panel_gemm.cpp), which streams each
-  weight byte once in address order while the FMA units work on the previous ones. It is
-  used for products of up to `PANEL_MAX_ROWS` rows (decode steps); larger products (prefill
-  chunks) run plain `F.linear` on the original weight, which MKL computes as fast as its
-  packed form there. Streaming the 430 MB of SmolLM2-135M body weights (2 threads) takes
-  35 ms at 32 rows against 47 ms for MKL packed and 60 ms for `F.linear` (numbers in the .cpp
-  header); end to end, SmolLM2-135M with 32 requests +13% tokens/s over MKL packed, tiny
-  Llama (weights in cache) unchanged.
-- MKL packed (cached weights, or no kernel library; torch built with MKL): `cblas_sgemm_pack`
-  once at load, `cblas_sgemm_compute` per call, as `torch.ops.mkl._mkl_reorder_linear_weight`
-  / `torch.ops.mkl._mkl_linear` (inductor's weight freezing uses them). `_mkl_linear` uses the
-  packed weight only when the row count equals its `prepack_batch_size` argument; MKL's packed
-  layout for B does not depend on the row count (same size for every M, equal results for M
-  from 1 to 2048), so we pass the actual row count on every call. 1.2-2x faster than
-  `F.linear` for 32-64-row products, 5-7% at 128-256 rows; from 512 rows (prefill chunks)
-  `F.linear` is 1-5% faster, so products above `MKL_MAX_ROWS` run it on the original weight.
+Two kinds of packed copy; each linear holds exactly one, and `choose_kind` picks one per model:
+- panels (needs the C++ kernel library, `cpu_build.available()`): column panels
+  (`kernels.gemm.pack_panels`) multiplied by `kernels.gemm.panel_linear`, which streams each
+  weight byte once in address order while the FMA units work on the previous ones. Chosen
+  when the model's linear weights exceed the last-level cache (`PANEL_MIN_WEIGHT_BYTES`), so
+  a decode step streams them from DRAM; used for products of up to `PANEL_MAX_ROWS` rows
+  (decode steps), larger ones (prefill chunks) run `F.linear` on the original weight.
+- MKL packed (weights that stay cached, where the products are compute-bound, or no kernel
+  library; torch built with MKL): `cblas_sgemm_pack` once at load, `cblas_sgemm_compute` per
+  call, as `torch.ops.mkl._mkl_reorder_linear_weight` / `torch.ops.mkl._mkl_linear`
+  (inductor's weight freezing uses them). `_mkl_linear` uses the packed weight only when the
+  row count equals its `prepack_batch_size` argument; MKL's packed layout for B does not
+  depend on the row count, so we pass the actual row count on every call. Products above
+  `MKL_MAX_ROWS` rows run `F.linear`.
+The row limits and the cache threshold are where one path overtook the other on the
+project's bench machine; the README ("Execution", `panel_gemm`) has the measurements.
 
 Each packed weight is checked right after packing against `F.linear` at several row counts
 (for MKL the row-count reuse is an observation, not a documented promise); a weight that fails
@@ -34,13 +29,11 @@ Under torch.compile the packed product runs as the opaque custom op `zooinfer::p
 (dynamo cannot trace an MKL-DNN tensor nor the C++ op's choice), which finds the packed
 weight by key.
 
-The LM head gets panels whatever the model's kind (when the kernel library is built): greedy
-steps then take their tokens straight from its panels (`linear_argmax`, see
-`CausalLM.greedy_tokens`), which beats MKL's product plus an argmax even where the weights
-stay cached. Where AMX is usable (`cpu_build.amx_available()`) the head also gets a bf16 copy
-in AMX tiles (`Bf16Screen`): greedy steps then screen the vocabulary in bf16 and decide among
-the few rows within the screen's error bound in fp32 (`screened_argmax`, same tokens, 1.3-3.5x
-faster than `linear_argmax`); it costs half the head's fp32 bytes more.
+The LM head gets panels whatever the model's kind (when the kernel library is built), so
+greedy steps can take their tokens straight from them without logits (`linear_argmax`;
+`kernels.lm_head.GreedyHead` decides when). Where AMX is usable (`cpu_build.amx_available()`)
+the head also gets a bf16 copy in AMX tiles (`lm_head.make_screen`, checked here against
+`linear_argmax`) for `screened_argmax`; it costs half the head's fp32 bytes more.
 
 Memory: the packed copy is as large as the weight (panels: plus the padding of N to a multiple
 of 32; MKL: the allocation is larger but its tail is never touched), and the original stays
@@ -63,8 +56,8 @@ from kernels import cpu_build, gemm, lm_head
 _PACKED: dict[int, tuple[str, torch.Tensor]] = {}    # key -> (kind, packed weight), for the compiled path
 _keys = itertools.count()
 _CHECK_ROWS = (1, 3, 17, 64)
-PANEL_MAX_ROWS = 64         # products of more rows run F.linear (streamed: panels win up to 64 rows, lose at 96+)
-MKL_MAX_ROWS = 256          # likewise for MKL packing: 5-7% faster at 128-256 rows, 1-5% slower from 512 (tiny Llama)
+PANEL_MAX_ROWS = 64         # products of more rows run F.linear (panels stop winning past 64 rows)
+MKL_MAX_ROWS = 256          # likewise for MKL packing (F.linear is as fast from 512 rows)
 
 
 def _last_level_cache_bytes() -> int:
@@ -81,8 +74,7 @@ def _last_level_cache_bytes() -> int:
 
 # Panels pay off when the weights stream from DRAM on every decode step, i.e. do not fit the
 # last-level cache; weights that stay cached are compute-bound there, where MKL's packed
-# kernel is faster (tiny Llama, 44 MB of weights: MKL 2520 vs panels 2087 tok/s; SmolLM2,
-# 540 MB: panels 1.06-1.13x MKL). Read once at import.
+# kernel is faster. Read once at import.
 PANEL_MIN_WEIGHT_BYTES = _last_level_cache_bytes()
 
 
