@@ -3,19 +3,20 @@
 One call serves a batch mixing prefill chunks and decodes. The plan splits the batch once
 per step into
 - decodes (one query token): on CPU, attention straight from the pages with no gather and
-  no padding. float32 decodes run in the C++ kernel `paged_decode` when it built (one
-  token-major pass over each request's pages; `ZOOINFER_CPU_KERNELS=0` turns it off);
-  otherwise the sparse path: every key of
+  no padding. float32 decodes run in the C++ kernel `kernels.paged_attention.paged_decode`
+  when the library built (one token-major pass over each request's pages;
+  `ZOOINFER_CPU_KERNELS=0` turns it off); otherwise the sparse path: every key of
   every request is a row of the cache seen as `[rows, head_dim]`, so the scores are a
   sampled dense-dense product (`torch.sparse.sampled_addmm`) over a CSR pattern with one row
   per (head, request) and the request's key rows as columns, and the value sum is a
   weighted `embedding_bag` over the matching value rows. Each byte of K and V in context is
   read once; the gather + padded-SDPA path read it three times plus padding.
 - the rest (prefill chunks, several tokens after a preemption): on CPU, float32, when the
-  C++ library built, `paged_prefill`: varlen causal attention straight from the pages,
-  bottom-right aligned (earlier chunks and prefix hits live only in the pages), each query
-  tile reading only the keys it can see: no padding to the longest chunk, no masked upper
-  triangle (`python -m bench.cpu_attention` measures both against the padded path).
+  C++ library built, `kernels.paged_attention.paged_prefill`: varlen causal attention
+  straight from the pages, bottom-right aligned (earlier chunks and prefix hits live only in
+  the pages), each query tile reading only the keys it can see: no padding to the longest
+  chunk, no masked upper triangle (`python -m bench.cpu_attention` measures both against
+  the padded path).
   Otherwise (other devices and dtypes, and decodes where the sparse kernels do not apply:
   half precision) the padded path: K and V pages gathered once each, then one batched SDPA
   with queries padded to the longest chunk and a causal-by-position mask; it is planned
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from attention import cpu_ops
+from kernels import cpu_build, paged_attention
 from attention.backend import AttentionBackend, BatchLayout
 
 # dtypes the CPU sampled_addmm kernel dispatches on
@@ -71,7 +72,7 @@ class _Decodes:
 
 @dataclass(slots=True)
 class _Prefills:
-    """Requests with several query tokens, for the C++ varlen kernel (`cpu_ops.paged_prefill`).
+    """Requests with several query tokens, for the C++ varlen kernel (`paged_attention.paged_prefill`).
     The padded part is planned only if a layer cannot use the kernel (dtype, cache layout)."""
     rows: np.ndarray            # batch rows
     kernel: tuple               # (block_table, rows, query_start, query_lens, seq_lens, window)
@@ -180,13 +181,13 @@ class TorchAttentionBackend(AttentionBackend):
         if len(decode) and device.type == "cpu":
             decodes = _Decodes(token_index=torch.from_numpy(layout.query_start_loc[decode].astype(np.int64)).to(device),
                                rows=decode, layout=layout)
-            if cpu_ops.available():   # float32 decodes then run in attention/cpu_kernels (one pass over the pages)
+            if cpu_build.available():   # float32 decodes then run in kernels/cpu/paged_decode.cpp (one pass over the pages)
                 decodes.kernel = (layout.block_table, torch.from_numpy(decode.astype(np.int64)),
                                   torch.from_numpy(layout.seq_lens[decode].astype(np.int64)), layout.sliding_window)
         elif len(decode):
             rest = np.concatenate([decode, rest])
         prefills, parts = None, []
-        if len(rest) and device.type == "cpu" and cpu_ops.available():   # the C++ varlen kernel
+        if len(rest) and device.type == "cpu" and cpu_build.available():   # the C++ varlen kernel
             as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))  # noqa: E731
             prefills = _Prefills(rows=rest, kernel=(layout.block_table, as_long(rest),
                                                     as_long(layout.query_start_loc[rest]), as_long(q_lens[rest]),
@@ -201,8 +202,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape   # [blocks, K|V, block, heads, dim]
         # Write this step's keys and values: one token's K is one row of the cache seen as
         # [blocks * 2 * block_size, kv_heads * head_dim], its V `block_size` rows further on.
-        # On CPU `cpu_ops.write_kv` does both rows in one pass, straight from strided k / v.
-        if not cpu_ops.write_kv(kv_cache, k, v, meta.slot_mapping):
+        # On CPU `paged_attention.write_kv` does both rows in one pass, straight from strided k / v.
+        if not paged_attention.write_kv(kv_cache, k, v, meta.slot_mapping):
             if meta.kv_rows is None:   # block * 2B + offset: the K row of each token
                 s = meta.slot_mapping
                 meta.kv_rows = s + (s // block_size) * block_size
@@ -216,7 +217,7 @@ class TorchAttentionBackend(AttentionBackend):
             if (d.kernel is not None and q.dtype == kv_cache.dtype == torch.float32
                     and kv_cache.is_contiguous()):
                 table, rows, seq_lens, window = d.kernel
-                cpu_ops.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out)
+                paged_attention.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out)
             elif q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES:
                 self._decode(q, kv_cache, d, scale, out)
             else:   # no sparse kernel for this dtype: the padded path, planned once per step
@@ -226,7 +227,7 @@ class TorchAttentionBackend(AttentionBackend):
         p = meta.prefills
         if p is not None:
             if q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and head_dim <= 256:
-                cpu_ops.paged_prefill(q, kv_cache, *p.kernel, scale, out)
+                paged_attention.paged_prefill(q, kv_cache, *p.kernel, scale, out)
             else:   # planned once per step, by the first layer that needs it
                 if p.fallback is None:
                     p.fallback = _make_part(meta.layout, p.rows, meta.device)

@@ -8,14 +8,14 @@ The batch is what the tiny Llama of `bench.throughput` sees in steady decode: N 
 ~`--ctx` tokens (uniform in ctx +- 40), 16-token pages in shuffled blocks of one float32
 layer cache. Each path is timed on the same batch, interleaved rep by rep (the machine is
 shared and noisy), medians printed with ratios to the kernel:
-- kernel: `cpu_ops.paged_decode` (attention/cpu_kernels/paged_decode.cpp);
+- kernel: `paged_attention.paged_decode` (kernels/cpu/paged_decode.cpp);
 - sparse: the torch backend's `sampled_addmm` + softmax + `embedding_bag` decode path;
 - padded: page gather + padded SDPA (`_make_part` planned once, as the backend does).
 Per-step planning is shown apart (`plan`: once per step per KV group, shared by layers):
 the sparse path also builds its CSR pattern once per step (`pattern`).
 The K/V write of `forward` is the same for every path and left out.
 
-`--prefill` times the non-decode path instead: `cpu_ops.paged_prefill` (attention/cpu_kernels/
+`--prefill` times the non-decode path instead: `paged_attention.paged_prefill` (kernels/cpu/
 paged_prefill.cpp) vs the padded SDPA (page gather, queries padded to the longest chunk,
 [n, max_q, keys] mask), on a step of fresh 64-256-token prompts filling a 2048-token budget
 (tiny Llama shapes 8/8 heads x 32 and SmolLM2's 9/3 x 64), and the same chunks after a
@@ -33,7 +33,8 @@ import time
 import numpy as np
 import torch
 
-from attention import BatchLayout, cpu_ops, get_backend
+from attention import BatchLayout, get_backend
+from kernels import cpu_build, paged_attention
 from attention.torch_backend import _decode_pattern, _make_part
 
 
@@ -80,7 +81,7 @@ def run(n, threads, args):
     part = _make_part(layout, np.arange(n), cpu)
     outs = {name: torch.empty_like(q) for name in ("kernel", "sparse", "padded")}
     paths = {
-        "kernel": lambda: cpu_ops.paged_decode(q, cache, table, rows, meta.decodes.token_index, seq_lens,
+        "kernel": lambda: paged_attention.paged_decode(q, cache, table, rows, meta.decodes.token_index, seq_lens,
                                                window, scale, outs["kernel"]),
         "sparse": lambda: backend._decode(q, cache, sparse_meta.decodes, scale, outs["sparse"]),
         "padded": lambda: backend._padded(q, cache, part, scale, outs["padded"]),
@@ -147,7 +148,7 @@ def run_prefill(heads, kv_heads, dim, prefix, threads, args):
     part = _make_part(layout, np.arange(len(q_lens)), cpu)
     outs = {name: torch.empty_like(q) for name in ("kernel", "padded")}
     paths = {
-        "kernel": lambda: cpu_ops.paged_prefill(q, cache, *meta.prefills.kernel, scale, outs["kernel"]),
+        "kernel": lambda: paged_attention.paged_prefill(q, cache, *meta.prefills.kernel, scale, outs["kernel"]),
         "padded": lambda: backend._padded(q, cache, part, scale, outs["padded"]),
     }
     for fn in paths.values():
@@ -178,7 +179,7 @@ def main():
     ap.add_argument("--prefill", action="store_true", help="time the prefill path (shapes fixed, see above)")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    if not cpu_ops.available():
+    if not cpu_build.available():
         raise SystemExit("the C++ CPU kernels are unavailable (ZOOINFER_CPU_KERNELS=0 or the build failed)")
     print(f"kernel library ready in {time.perf_counter() - t0:.1f} s (build or cached load); torch {torch.__version__}")
     if args.prefill:

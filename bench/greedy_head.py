@@ -23,9 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from attention import cpu_ops
-from models import fused
-from models.prepack import make_screen, pack_panels
+from kernels import cpu_build, gemm, lm_head
 
 HEADS = {"tiny": (32000, 256), "smollm2": (49152, 576)}
 
@@ -37,25 +35,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--heads", default="tiny,smollm2")
     args = ap.parse_args(argv)
-    if not cpu_ops.available():
+    if not cpu_build.available():
         raise SystemExit("the C++ CPU kernels are not available here")
     torch.set_num_threads(args.threads)
-    amx = cpu_ops.amx_available()
+    amx = cpu_build.amx_available()
     print(f"threads {torch.get_num_threads()}, AMX {'yes' if amx else 'no (screened path skipped)'}")
     g = torch.Generator().manual_seed(0)
     for head in args.heads.split(","):
         n, k = HEADS[head]
         w = torch.randn(n, k, generator=g) * 0.05
-        panels, screen = pack_panels(w), make_screen(w) if amx else None
+        panels, screen = gemm.pack_panels(w), lm_head.make_screen(w) if amx else None
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=g)
             paths = {
-                "fused": lambda: fused.linear_argmax(x, panels, n),
-                "panels": lambda: torch.ops.zooinfer_cpu.panel_linear(x, panels, n, None).argmax(-1),
+                "fused": lambda: lm_head.linear_argmax(x, panels, n),
+                "panels": lambda: gemm.panel_linear(x, panels, n, None).argmax(-1),
                 "F.linear": lambda: F.linear(x, w).argmax(-1),
             }
             if screen is not None:
-                paths = {"screened": lambda: fused.screened_argmax(x, panels, n, screen), **paths}
+                paths = {"screened": lambda: lm_head.screened_argmax(x, panels, n, screen), **paths}
             want = paths["fused"]()
             for name, f in paths.items():
                 got = f()

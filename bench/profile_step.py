@@ -22,7 +22,7 @@ phases are exact without syncs. A step splits into
 - update:   the rest of `Engine.step` (`Scheduler.update`, outputs, detokenizer)
 and engine overhead = everything but the forward (the LM head is counted in `sample`, and
 shown on its own as `lm_head`, since it is model compute that only the sampled rows need;
-when a greedy step takes its tokens from the fused head kernel, `CausalLM.greedy_tokens`,
+when a greedy step takes its tokens from a fused head kernel (`kernels.lm_head.GreedyHead`),
 `lm_head` includes that kernel's argmax).
 
 `--against REF` runs every measurement twice in the same process, alternating: once as
@@ -129,17 +129,21 @@ class StepTimer:
                 self._cur.lm_head += clock() - t0
             return out
 
-        orig_greedy = runner.model.greedy_tokens
+        from kernels import lm_head
 
-        def greedy_tokens(hidden):   # the fused LM head + argmax: counted as the LM head
-            t0 = clock()
-            out = orig_greedy(hidden)
-            if self._cur is not None:
-                self._cur.lm_head += clock() - t0
-            return out
+        def timed(kernel):   # the fused LM head + argmax kernels: counted as the LM head
+            def run(*args):
+                t0 = clock()
+                out = kernel(*args)
+                if self._cur is not None:
+                    self._cur.lm_head += clock() - t0
+                return out
+            return run
 
         engine.step, sched.schedule, runner.execute, runner.forward = step, schedule, execute, forward
-        runner.model.compute_logits, runner.model.greedy_tokens = compute_logits, greedy_tokens
+        runner.model.compute_logits = compute_logits
+        # The model's GreedyHead calls these by module name; one engine per bench process.
+        lm_head.linear_argmax, lm_head.screened_argmax = timed(lm_head.linear_argmax), timed(lm_head.screened_argmax)
 
     def reset(self) -> None:
         self.records.clear()

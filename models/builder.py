@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cache.kv_cache_spec import KVCacheSpec
-from models import fused
+from kernels.lm_head import GreedyHead
 from models.kinds import KINDS, linear_sources
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from models.spec import DTYPES, ModelSpec
@@ -51,23 +51,12 @@ class CausalLM(nn.Module):
         logits = self.lm_head(hidden).float()
         return logits / self.spec.logits_scaling if self.spec.logits_scaling != 1.0 else logits
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """`compute_logits(hidden).argmax(-1)`, exactly, through a fused CPU kernel that never
-        writes the logits: `screened_argmax` when the head has a bf16 screen (AMX), else
-        `linear_argmax` for row counts in `fused.GREEDY_ROWS`. None where neither applies, and
-        the caller computes the logits: no panel copy of the LM head (`prepack_linears` makes
-        one), not fp32 CPU, or a scaled or biased head (scaling can round two logits into a
-        tie that the raw products do not have)."""
-        head = self.lm_head
-        if (getattr(head, "kind", None) != "panel" or head.bias is not None or self.spec.logits_scaling != 1.0
-                or not fused.use_kernel(hidden)):
-            return None
-        rows = hidden.shape[0]
-        if head.screen is not None and rows in fused.SCREENED_ROWS:
-            return fused.screened_argmax(hidden, head.packed, head.out_features, head.screen)
-        if rows not in fused.GREEDY_ROWS:
-            return None
-        return fused.linear_argmax(hidden, head.packed, head.out_features)
+    @property
+    def greedy_head(self) -> GreedyHead:
+        """What picks the path of greedy tokens from this model's LM head (fused kernels
+        without logits where they apply): a view of the current head, which
+        `prepack_linears` may have replaced with its packed copy."""
+        return GreedyHead(self.lm_head, self.spec.logits_scaling)
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
         """What cache each layer needs, by layer id (its kind's `cache_spec`)."""

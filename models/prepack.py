@@ -1,30 +1,25 @@
-"""Pre-packed weights for the CPU float32 linears (`prepack_linears`).
+"""Pre-packed weights for the CPU float32 linears (`prepack_linears`): which linears, which copy.
 
 Why: a decode step multiplies few rows (one per running request) by every weight of the
 model. The weights do not fit the cache, so the step streams all of them from DRAM, and
 `F.linear` (MKL sgemm) also re-packs each weight into its blocked layout on every call.
 
-How, two kinds of packed copy (each linear holds exactly one; `choose_kind` picks one per
-model: panels when its linear weights are larger than the last-level cache, so a decode step
-streams them from DRAM, MKL packed when they stay cached and the products are compute-bound):
-- panels (needs the C++ kernel library, `cpu_ops.available()`): the
-  weight `[N, K]` as column panels `[ceil(N/32), K, 32]` (zero-padded in N), multiplied by
-  `zooinfer_cpu::panel_linear` (attention/cpu_kernels/panel_gemm.cpp), which streams each
-  weight byte once in address order while the FMA units work on the previous ones. It is
-  used for products of up to `PANEL_MAX_ROWS` rows (decode steps); larger products (prefill
-  chunks) run plain `F.linear` on the original weight, which MKL computes as fast as its
-  packed form there. Streaming the 430 MB of SmolLM2-135M body weights (2 threads) takes
-  35 ms at 32 rows against 47 ms for MKL packed and 60 ms for `F.linear` (numbers in the .cpp
-  header); end to end, SmolLM2-135M with 32 requests +13% tokens/s over MKL packed, tiny
-  Llama (weights in cache) unchanged.
-- MKL packed (cached weights, or no kernel library; torch built with MKL): `cblas_sgemm_pack`
-  once at load, `cblas_sgemm_compute` per call, as `torch.ops.mkl._mkl_reorder_linear_weight`
-  / `torch.ops.mkl._mkl_linear` (inductor's weight freezing uses them). `_mkl_linear` uses the
-  packed weight only when the row count equals its `prepack_batch_size` argument; MKL's packed
-  layout for B does not depend on the row count (same size for every M, equal results for M
-  from 1 to 2048), so we pass the actual row count on every call. 1.2-2x faster than
-  `F.linear` for 32-64-row products, 5-7% at 128-256 rows; from 512 rows (prefill chunks)
-  `F.linear` is 1-5% faster, so products above `MKL_MAX_ROWS` run it on the original weight.
+Two kinds of packed copy; each linear holds exactly one, and `choose_kind` picks one per model:
+- panels (needs the C++ kernel library, `cpu_build.available()`): column panels
+  (`kernels.gemm.pack_panels`) multiplied by `kernels.gemm.panel_linear`, which streams each
+  weight byte once in address order while the FMA units work on the previous ones. Chosen
+  when the model's linear weights exceed the last-level cache (`PANEL_MIN_WEIGHT_BYTES`), so
+  a decode step streams them from DRAM; used for products of up to `PANEL_MAX_ROWS` rows
+  (decode steps), larger ones (prefill chunks) run `F.linear` on the original weight.
+- MKL packed (weights that stay cached, where the products are compute-bound, or no kernel
+  library; torch built with MKL): `cblas_sgemm_pack` once at load, `cblas_sgemm_compute` per
+  call, as `torch.ops.mkl._mkl_reorder_linear_weight` / `torch.ops.mkl._mkl_linear`
+  (inductor's weight freezing uses them). `_mkl_linear` uses the packed weight only when the
+  row count equals its `prepack_batch_size` argument; MKL's packed layout for B does not
+  depend on the row count, so we pass the actual row count on every call. Products above
+  `MKL_MAX_ROWS` rows run `F.linear`.
+The row limits and the cache threshold are where one path overtook the other on the
+project's bench machine; the README ("Execution", `panel_gemm`) has the measurements.
 
 Each packed weight is checked right after packing against `F.linear` at several row counts
 (for MKL the row-count reuse is an observation, not a documented promise); a weight that fails
@@ -34,13 +29,11 @@ Under torch.compile the packed product runs as the opaque custom op `zooinfer::p
 (dynamo cannot trace an MKL-DNN tensor nor the C++ op's choice), which finds the packed
 weight by key.
 
-The LM head gets panels whatever the model's kind (when the kernel library is built): greedy
-steps then take their tokens straight from its panels (`linear_argmax`, see
-`CausalLM.greedy_tokens`), which beats MKL's product plus an argmax even where the weights
-stay cached. Where AMX is usable (`cpu_ops.amx_available()`) the head also gets a bf16 copy
-in AMX tiles (`Bf16Screen`): greedy steps then screen the vocabulary in bf16 and decide among
-the few rows within the screen's error bound in fp32 (`screened_argmax`, same tokens, 1.3-3.5x
-faster than `linear_argmax`); it costs half the head's fp32 bytes more.
+The LM head gets panels whatever the model's kind (when the kernel library is built), so
+greedy steps can take their tokens straight from them without logits (`linear_argmax`;
+`kernels.lm_head.GreedyHead` decides when). Where AMX is usable (`cpu_build.amx_available()`)
+the head also gets a bf16 copy in AMX tiles (`lm_head.make_screen`, checked here against
+`linear_argmax`) for `screened_argmax`; it costs half the head's fp32 bytes more.
 
 Memory: the packed copy is as large as the weight (panels: plus the padding of N to a multiple
 of 32; MKL: the allocation is larger but its tail is never touched), and the original stays
@@ -50,25 +43,21 @@ weight bytes. `EngineConfig.prepack_weights=False` turns it off.
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 import weakref
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import cpu_ops
-from models import fused
+from kernels import cpu_build, gemm, lm_head
 
 _PACKED: dict[int, tuple[str, torch.Tensor]] = {}    # key -> (kind, packed weight), for the compiled path
 _keys = itertools.count()
 _CHECK_ROWS = (1, 3, 17, 64)
-NR = 32                     # panel width (panel_gemm.cpp: two 16-float vectors)
-PANEL_MAX_ROWS = 64         # products of more rows run F.linear (streamed: panels win up to 64 rows, lose at 96+)
-MKL_MAX_ROWS = 256          # likewise for MKL packing: 5-7% faster at 128-256 rows, 1-5% slower from 512 (tiny Llama)
+PANEL_MAX_ROWS = 64         # products of more rows run F.linear (panels stop winning past 64 rows)
+MKL_MAX_ROWS = 256          # likewise for MKL packing (F.linear is as fast from 512 rows)
 
 
 def _last_level_cache_bytes() -> int:
@@ -85,8 +74,7 @@ def _last_level_cache_bytes() -> int:
 
 # Panels pay off when the weights stream from DRAM on every decode step, i.e. do not fit the
 # last-level cache; weights that stay cached are compute-bound there, where MKL's packed
-# kernel is faster (tiny Llama, 44 MB of weights: MKL 2520 vs panels 2087 tok/s; SmolLM2,
-# 540 MB: panels 1.06-1.13x MKL). Read once at import.
+# kernel is faster. Read once at import.
 PANEL_MIN_WEIGHT_BYTES = _last_level_cache_bytes()
 
 
@@ -97,81 +85,23 @@ def mkl_supported() -> bool:
 
 def supported() -> bool:
     """Whether weights can be packed here: the C++ panel kernel or MKL's packed GEMM."""
-    return cpu_ops.available() or mkl_supported()
+    return cpu_build.available() or mkl_supported()
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """`w [N, K]` as contiguous column panels `[ceil(N/NR), K, NR]`, zero-padded past N."""
-    n, k = w.shape
-    full, tail = divmod(n, NR)
-    panels = torch.zeros(full + (tail > 0), k, NR, dtype=w.dtype)
-    with torch.no_grad():
-        panels[:full] = w[:full * NR].view(full, NR, k).transpose(1, 2)
-        if tail:
-            panels[full, :, :tail] = w[full * NR:].T
-    return panels
-
-
-VT, KT = 16, 32             # AMX bf16 A tile: 16 rows x 32 k (screened_argmax.cpp)
-
-
-@dataclass(frozen=True, slots=True)
-class Bf16Screen:
-    """The LM head in bf16 AMX tiles for `screened_argmax`, with the largest row norms of W,
-    of its bf16 rounding W^ and of W - W^ (float64, from the actual rounding): they bound how
-    far a bf16 logit can be from the fp32 one, which decides which rows stay candidates."""
-    tiles: torch.Tensor     # bf16 [NT, KS, 16, 32], NT = 2 * ceil(N / 32), KS = ceil(K / 32)
-    w_norm: float
-    wb_norm: float
-    dw_norm: float
-
-
-def pack_bf16_tiles(w: torch.Tensor) -> torch.Tensor:
-    """`w [N, K]` rounded to bf16 as AMX A tiles `[NT, KS, 16, 32]`: tile (t, s) holds
-    w[16t : 16t+16, 32s : 32s+32] row-major, zero-padded to an even NT and to KS * 32 columns."""
-    n, k = w.shape
-    nt, ks = 2 * -(-n // (2 * VT)), -(-k // KT)
-    tiles = torch.zeros(nt * VT, ks * KT, dtype=torch.bfloat16)
-    with torch.no_grad():
-        tiles[:n, :k] = w
-    return tiles.view(nt, VT, ks, KT).transpose(1, 2).contiguous()
-
-
-def make_screen(w: torch.Tensor, chunk_rows: int = 4096) -> Bf16Screen | None:
-    """The bf16 screen of a contiguous fp32 CPU head weight, or None (other weights, or
-    non-finite entries: no error bound then)."""
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2 or w.numel() == 0:
-        return None
-    norms = [0.0, 0.0, 0.0]
-    with torch.no_grad():
-        for start in range(0, w.shape[0], chunk_rows):   # float64 copies a chunk at a time
-            wd = w[start:start + chunk_rows].double()
-            wh = w[start:start + chunk_rows].bfloat16().double()
-            for i, t in enumerate((wd, wh, wd - wh)):
-                norms[i] = max(norms[i], float(t.norm(dim=1).max()))
-    if not all(math.isfinite(v) for v in norms):
-        return None
-    return Bf16Screen(pack_bf16_tiles(w), *norms)
-
-
-def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> Bf16Screen | None:
-    """`make_screen(w)` if `screened_argmax` on it returns `linear_argmax`'s tokens for random
-    rows (as packed weights are checked against `F.linear`), else None with a warning."""
-    screen = make_screen(w)
+def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> lm_head.Bf16Screen | None:
+    """`lm_head.make_screen(w)` if `screened_argmax` on it returns `linear_argmax`'s tokens for
+    random rows (as packed weights are checked against `F.linear`), else None with a warning."""
+    screen = lm_head.make_screen(w)
     if screen is None:
         return None
     x = torch.randn(max(_CHECK_ROWS), w.shape[1], generator=torch.Generator().manual_seed(0))
-    want = fused.linear_argmax(x, panels, w.shape[0])
-    got = fused.screened_argmax(x, panels, w.shape[0], screen)
+    want = lm_head.linear_argmax(x, panels, w.shape[0])
+    got = lm_head.screened_argmax(x, panels, w.shape[0], screen)
     if not torch.equal(got, want):
         warnings.warn("the LM head's bf16 screen disagreed with its fp32 argmax; greedy steps use the fp32 "
                       "kernel", RuntimeWarning, stacklevel=3)
         return None
     return screen
-
-
-def _panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.zooinfer_cpu.panel_linear(x, panels, n, bias)
 
 
 def _packed_matmul(x: torch.Tensor, kind: str, packed: torch.Tensor, weight: torch.Tensor,
@@ -185,7 +115,7 @@ def _packed_matmul(x: torch.Tensor, kind: str, packed: torch.Tensor, weight: tor
     if rows > PANEL_MAX_ROWS:
         return F.linear(x, weight, bias)
     x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k)
-    out = _panel_linear(x2, packed, weight.shape[0], bias)
+    out = gemm.panel_linear(x2, packed, weight.shape[0], bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -215,7 +145,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.kind = kind
         self.packed = packed                 # a plain attribute, not a buffer (state dicts stay unchanged)
-        self.screen: Bf16Screen | None = None   # the LM head's bf16 copy, set by `prepack_linears`
+        self.screen: lm_head.Bf16Screen | None = None   # the LM head's bf16 copy, set by `prepack_linears`
         self.key = next(_keys)
         _PACKED[self.key] = (kind, packed)
         weakref.finalize(self, _PACKED.pop, self.key, None)
@@ -240,12 +170,12 @@ def _pack(linear: nn.Linear, kind: str | None = None) -> tuple[torch.Tensor, str
     if b is not None and (b.dtype != torch.float32 or b.device.type != "cpu"):
         return None
     if kind is None:
-        kind = "panel" if cpu_ops.available() else "mkl" if mkl_supported() else None
+        kind = "panel" if cpu_build.available() else "mkl" if mkl_supported() else None
     if kind is None:
         return None
     with torch.no_grad():
         w = w.detach()
-        packed = pack_panels(w) if kind == "panel" else torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
+        packed = gemm.pack_panels(w) if kind == "panel" else torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
         gen = torch.Generator().manual_seed(0)
         for rows in _CHECK_ROWS:
             x = torch.randn(rows, w.shape[1], generator=gen)
@@ -261,7 +191,7 @@ def choose_kind(weight_bytes: int) -> str | None:
     """The packed kind for a model whose packable linear weights take `weight_bytes`: panels
     when they exceed the last-level cache (or MKL is missing), else MKL (or panels when only
     the kernel library exists); None when neither is available."""
-    panels, mkl = cpu_ops.available(), mkl_supported()
+    panels, mkl = cpu_build.available(), mkl_supported()
     if panels and (weight_bytes > PANEL_MIN_WEIGHT_BYTES or not mkl):
         return "panel"
     return "mkl" if mkl else None
@@ -286,7 +216,7 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
         if kind is None:
             return 0
     packed, failed = 0, []
-    head_on_panels = head is not None and cpu_ops.available()
+    head_on_panels = head is not None and cpu_build.available()
     for parent, name, child in targets:
         is_head = head_on_panels and parent is model and name == head
         p = _pack(child, "panel" if is_head else kind)
@@ -295,7 +225,7 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
                 failed.append(name)
             continue
         linear = PackedLinear(child, *p)
-        if is_head and cpu_ops.amx_available():
+        if is_head and cpu_build.amx_available():
             linear.screen = _checked_screen(child.weight.detach(), linear.packed)
         setattr(parent, name, linear)
         packed += 1

@@ -224,11 +224,9 @@ class ModelRunner:
             return ModelRunnerOutput({}, None)
         meta = self._sampling_metadata(sample_rows)
         hidden = hidden[logits_index]
-        greedy = None
         if meta.all_greedy and meta.banned is None and meta.max_logprobs is None:
-            greedy = self.model.greedy_tokens(hidden)   # LM head + argmax, no logits (CPU kernel)
-        if greedy is not None:
-            out = SamplerOutput(token_ids=greedy)
+            # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
+            out = SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
         else:
             out = self.sampler(self.model.compute_logits(hidden), meta)
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attention import cpu_ops
+from kernels import lm_head
+from kernels.lm_head import GreedyHead
 
 
 @dataclass(slots=True)
@@ -93,31 +94,6 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     return out
 
 
-_ARGMAX_CHUNK = 128
-
-
-def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """`x.argmax(-1)` of a 2-D tensor, same result (the first maximal index, NaN counts as the
-    maximum), about 4-10x faster on CPU: torch's argmax over the last dim is a scalar loop,
-    while `amax` is vectorised. Chunk maxima find the first chunk holding the row's maximum;
-    the argmax inside that one chunk finds the first index of it. CPU float32 logits go to
-    the C++ `argmax_rows` (one vectorised pass per row, no small-op thread hand-offs: 0.37 vs
-    2.0 ms for 64 x 32000 at 2 threads) when the kernel library is built."""
-    n, vocab = x.shape
-    if x.device.type == "cpu" and x.dtype == torch.float32 and vocab and cpu_ops.available():
-        return torch.ops.zooinfer_cpu.argmax_rows(x)
-    if vocab <= 2 * _ARGMAX_CHUNK or x.device.type != "cpu":
-        return x.argmax(dim=-1)
-    c = _ARGMAX_CHUNK
-    full = vocab // c
-    chunk_max = x[:, :full * c].reshape(n, full, c).amax(dim=-1)
-    if vocab % c:
-        chunk_max = torch.cat([chunk_max, x[:, full * c:].amax(dim=-1, keepdim=True)], dim=1)
-    chunk = chunk_max.argmax(dim=-1)
-    cols = (chunk[:, None] * c + torch.arange(c, device=x.device)).clamp_(max=vocab - 1)
-    return chunk * c + x.gather(1, cols).argmax(dim=-1)
-
-
 def _exponential(shape, generator: torch.Generator | None = None, device=None) -> torch.Tensor:
     """Exp(1) noise as -log(U): same distribution as `exponential_`, several times faster on CPU.
     A per-request generator lives on the CPU: its draws are made there and moved, so a seed
@@ -128,6 +104,10 @@ def _exponential(shape, generator: torch.Generator | None = None, device=None) -
 
 
 class Sampler:
+    def __init__(self, greedy_head: GreedyHead | None = None):
+        # picks the argmax path for greedy rows (no LM head here: the sampler sees logits)
+        self.greedy_head = greedy_head or GreedyHead()
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw = logits.float()
         logits = raw
@@ -136,7 +116,7 @@ class Sampler:
             rows, tokens = meta.banned
             logits[rows, tokens] = float("-inf")
         if meta.all_greedy:
-            sampled = _argmax(logits)
+            sampled = self.greedy_head.argmax(logits)
         else:
             sampled = self._sample(logits, meta)
         out = SamplerOutput(token_ids=sampled)
@@ -146,7 +126,7 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy_rows = meta.temperature == 0
-        greedy = _argmax(logits)
+        greedy = self.greedy_head.argmax(logits)
         temp = torch.where(greedy_rows, 1.0, meta.temperature)
         logits = logits / temp[:, None]
         if meta.top_k is not None or meta.top_p is not None:
@@ -158,7 +138,7 @@ class Sampler:
         q = _exponential(probs.shape, device=probs.device)
         for row, gen in meta.generators.items():
             q[row] = _exponential(probs.shape[-1:], generator=gen, device=probs.device)
-        sampled = _argmax(probs / q)
+        sampled = lm_head.argmax(probs / q)   # the exponential race: the same exact argmax
         return torch.where(greedy_rows, greedy, sampled)
 
     @staticmethod

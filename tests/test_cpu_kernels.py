@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel (attention/cpu_kernels) against the torch backend's sparse
+"""The C++ paged decode kernel (kernels/cpu) against the torch backend's sparse
 decode path, its padded SDPA path and a float64 reference; and the whole engine with the
 kernel on and off. The first test in a fresh cache dir pays the one-time JIT build."""
 from __future__ import annotations
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from attention import cpu_ops, get_backend
+from attention import get_backend
+from kernels import cpu_build, paged_attention
 from attention.torch_backend import _make_part
 from runtime import LLM, SamplingParams
 from tests.test_cpu_prefill import _reference, _step
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 @pytest.fixture(scope="module", autouse=True)
 def built():
     """Every test here needs the library: a build failure is a failure, not a silent fallback."""
-    assert cpu_ops.available(), "the C++ CPU kernels did not build (see the warning)"
+    assert cpu_build.available(), "the C++ CPU kernels did not build (see the warning)"
 
 
 def _batch(heads, kv_heads, dim, ctx, window, bs=16, seed=0):
@@ -46,7 +47,7 @@ def _paths(layout, cache, q, scale, monkeypatch):
         out = torch.empty_like(q)
         if env == "1":
             table, rows, seq_lens, window = meta.decodes.kernel
-            cpu_ops.paged_decode(q, cache, table, rows, meta.decodes.token_index, seq_lens, window, scale, out)
+            paged_attention.paged_decode(q, cache, table, rows, meta.decodes.token_index, seq_lens, window, scale, out)
         else:
             backend._decode(q, cache, meta.decodes, scale, out)
         return out
@@ -92,7 +93,7 @@ def test_strided_queries_scattered_tokens_and_threads():
         for n_threads in (1, 2, 4):   # 2: requests taken longest first from a shared counter; 4 > 3 decodes: split by kv head
             torch.set_num_threads(n_threads)
             out = torch.full((8, heads, dim), 7.0)
-            cpu_ops.paged_decode(q_view, cache, table, rows, token_index, seq_lens, None, 0.3, out)
+            paged_attention.paged_decode(q_view, cache, table, rows, token_index, seq_lens, None, 0.3, out)
             torch.testing.assert_close(out[token_index], ref, rtol=1e-5, atol=1e-5)
             untouched = torch.ones(8, dtype=torch.bool)
             untouched[token_index] = False
@@ -106,13 +107,13 @@ def test_bad_inputs_raise_one_line():
     table, rows = layout.block_table, torch.zeros(1, dtype=torch.long)
     tok, out = torch.zeros(1, dtype=torch.long), torch.empty_like(q)
     with pytest.raises(RuntimeError, match="outside the block table"):
-        cpu_ops.paged_decode(q, cache, table, rows, tok, torch.tensor([10_000]), None, 1.0, out)
+        paged_attention.paged_decode(q, cache, table, rows, tok, torch.tensor([10_000]), None, 1.0, out)
     bad = table.clone()
     bad[0, 1] = cache.shape[0] + 3
     with pytest.raises(RuntimeError, match="block id .* out of range"):
-        cpu_ops.paged_decode(q, cache, bad, rows, tok, torch.tensor([20]), None, 1.0, out)
+        paged_attention.paged_decode(q, cache, bad, rows, tok, torch.tensor([20]), None, 1.0, out)
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_ops.paged_decode(q.double(), cache.double(), table, rows, tok, torch.tensor([20]), None, 1.0,
+        paged_attention.paged_decode(q.double(), cache.double(), table, rows, tok, torch.tensor([20]), None, 1.0,
                              out.double())
 
 
@@ -144,7 +145,7 @@ def test_write_kv_matches_index_copy(dtype, tokens, kv_heads, dim, threads):
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        assert cpu_ops.write_kv(cache, k, v, slots)
+        assert paged_attention.write_kv(cache, k, v, slots)
     finally:
         torch.set_num_threads(old)
     assert torch.equal(cache.isnan(), want.isnan())
@@ -161,26 +162,26 @@ def test_write_kv_bad_inputs():
         torch.ops.zooinfer_cpu.write_kv(cache, k.double(), v, slots)
     before = cache.clone()
     # Layouts the kernel does not take: the wrapper declines (the caller writes with torch).
-    assert not cpu_ops.write_kv(cache, k.transpose(0, 1).contiguous().transpose(0, 1), v, slots)
-    assert not cpu_ops.write_kv(cache, k, v, slots.to(torch.int32))
+    assert not paged_attention.write_kv(cache, k.transpose(0, 1).contiguous().transpose(0, 1), v, slots)
+    assert not paged_attention.write_kv(cache, k, v, slots.to(torch.int32))
     assert torch.equal(cache.isnan(), before.isnan())
 
 
 def test_build_failure_warns_once_and_falls_back(monkeypatch):
     """No compiler: one warning, `available()` False from then on, the backend plans the
     sparse path; the env switch turns the kernels off without building."""
-    monkeypatch.setattr(cpu_ops, "_state", {})           # as if this process had not built yet
+    monkeypatch.setattr(cpu_build, "_state", {})           # as if this process had not built yet
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     with pytest.warns(RuntimeWarning, match="unavailable, using the torch fallback: no C\\+\\+ compiler"):
-        assert not cpu_ops.available()
+        assert not cpu_build.available()
     with warnings.catch_warnings():
         warnings.simplefilter("error")                    # no second warning
-        assert not cpu_ops.available()
+        assert not cpu_build.available()
         layout, _, _ = _batch(4, 2, 16, [20, 3], window=None)
         assert get_backend("torch").plan(layout, torch.device("cpu")).decodes.kernel is None
-    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setattr(cpu_build, "_state", {})
     monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "0")
-    assert not cpu_ops.available() and cpu_ops._state == {}
+    assert not cpu_build.available() and cpu_build._state == {}
 
 
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 23, 40, 1)]
@@ -194,11 +195,11 @@ def test_llm_greedy_same_with_kernel_on_and_off(spec, monkeypatch):
     from keys in the pages."""
     calls = {"paged_decode": [], "paged_prefill": []}
     for name in calls:
-        kernel = getattr(cpu_ops, name)
-        monkeypatch.setattr(cpu_ops, name, lambda *a, _k=kernel, _c=calls[name]: _c.append(1) or _k(*a))
+        kernel = getattr(paged_attention, name)
+        monkeypatch.setattr(paged_attention, name, lambda *a, _k=kernel, _c=calls[name]: _c.append(1) or _k(*a))
     written = []    # write_kv's results: it declines (False) when the kernels are off
-    write_kv = cpu_ops.write_kv
-    monkeypatch.setattr(cpu_ops, "write_kv", lambda *a: written.append(write_kv(*a)) or written[-1])
+    write_kv = paged_attention.write_kv
+    monkeypatch.setattr(paged_attention, "write_kv", lambda *a: written.append(write_kv(*a)) or written[-1])
     params = SamplingParams(temperature=0, max_tokens=30)
     tokens = {}
     for budget in (2048, 16):

@@ -1,4 +1,4 @@
-"""The C++ varlen prefill kernel (`cpu_ops.paged_prefill`, attention/cpu_kernels/paged_prefill.cpp)
+"""The C++ varlen prefill kernel (`paged_attention.paged_prefill`, kernels/cpu/paged_prefill.cpp)
 against the torch backend's padded SDPA path and a float64 reference, through the backend's
 real plan + forward (the step's K/V written into the pages first). Batches mix fresh
 prompts, chunk continuations / prefix hits (keys that live only in the pages) and decodes;
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from attention import BatchLayout, cpu_ops, get_backend
+from attention import BatchLayout, get_backend
+from kernels import cpu_build, paged_attention
 from attention.torch_backend import _make_part
 
 torch.set_num_threads(1)
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the C++ CPU kernels did not build (see the warning)"
+    assert cpu_build.available(), "the C++ CPU kernels did not build (see the warning)"
 
 
 # (context after the step, query tokens this step) per request: fresh prompts (ctx == q),
@@ -85,8 +86,8 @@ def _reference(layout, cache, q, scale):
 
 def _forward(layout, cache, q, k, v, scale, monkeypatch, calls):
     """The backend's plan + forward on a copy of the cache; counts the kernel calls."""
-    prefill = cpu_ops.paged_prefill
-    monkeypatch.setattr(cpu_ops, "paged_prefill", lambda *a: calls.append(a) or prefill(*a))
+    prefill = paged_attention.paged_prefill
+    monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a) or prefill(*a))
     backend = get_backend("torch")
     meta = backend.plan(layout, torch.device("cpu"))
     cache = cache.clone()
@@ -151,7 +152,7 @@ def test_strided_queries_scattered_tokens_and_threads():
         for n_threads in (1, 4):
             torch.set_num_threads(n_threads)
             out = torch.full((tokens + 5, heads, dim), 7.0)
-            cpu_ops.paged_prefill(q_view, cache, *args, None, 0.3, out)
+            paged_attention.paged_prefill(q_view, cache, *args, None, 0.3, out)
             torch.testing.assert_close(out[:tokens], ref, rtol=1e-5, atol=1e-5)
             assert (out[tokens:] == 7.0).all()
     finally:
@@ -165,7 +166,7 @@ def test_float64_falls_back_to_the_padded_path(monkeypatch):
     cache = cache.nan_to_num(0.0)
     calls = []
     backend = get_backend("torch")
-    monkeypatch.setattr(cpu_ops, "paged_prefill", lambda *a: calls.append(a))
+    monkeypatch.setattr(paged_attention, "paged_prefill", lambda *a: calls.append(a))
     meta = backend.plan(layout, torch.device("cpu"))
     cache64 = cache.double()
     out = backend.forward(q.double(), k.double(), v.double(), cache64, meta, 0.2)
@@ -188,15 +189,15 @@ def test_bad_inputs_raise_one_line():
     table, rows = layout.block_table, torch.zeros(1, dtype=torch.long)
     start, qlen, out = torch.zeros(1, dtype=torch.long), torch.tensor([20]), torch.empty_like(q)
     with pytest.raises(RuntimeError, match="request 0 has 20 queries .* more queries than keys"):
-        cpu_ops.paged_prefill(q, cache, table, rows, start, qlen, torch.tensor([10]), None, 1.0, out)
+        paged_attention.paged_prefill(q, cache, table, rows, start, qlen, torch.tensor([10]), None, 1.0, out)
     with pytest.raises(RuntimeError, match="outside the block table"):
-        cpu_ops.paged_prefill(q, cache, table, rows, start, qlen, torch.tensor([10_000]), None, 1.0, out)
+        paged_attention.paged_prefill(q, cache, table, rows, start, qlen, torch.tensor([10_000]), None, 1.0, out)
     bad = table.clone()
     bad[0, 1] = cache.shape[0] + 3
     with pytest.raises(RuntimeError, match="block id .* out of range"):
-        cpu_ops.paged_prefill(q, cache, bad, rows, start, qlen, torch.tensor([40]), None, 1.0, out)
+        paged_attention.paged_prefill(q, cache, bad, rows, start, qlen, torch.tensor([40]), None, 1.0, out)
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_ops.paged_prefill(q.double(), cache.double(), table, rows, start, qlen, torch.tensor([40]), None, 1.0,
+        paged_attention.paged_prefill(q.double(), cache.double(), table, rows, start, qlen, torch.tensor([40]), None, 1.0,
                               out.double())
 
 

@@ -1,6 +1,6 @@
-"""The fused CPU elementwise kernels (attention/cpu_kernels/fused_elementwise.cpp via
-models/fused.py) against the torch code they replace in models/layers.py: each module runs
-once with the kernel and once with `fused.ENABLED = False` (its torch path) on the same
+"""The fused CPU elementwise kernels (kernels/cpu/fused_elementwise.cpp via
+kernels/elementwise.py) against the torch code they replace in models/layers.py: each module runs
+once with the kernel and once with `elementwise.ENABLED = False` (its torch path) on the same
 inputs. Shapes cover one row, odd sizes, the strided q/k views the qkv split produces,
 partial rotary and Gemma's offset=1. Results must agree to ~1e-6 of the output's scale
 (the kernels use the same fp32 formulas; only summation order and exp differ)."""
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from attention import cpu_ops
-from models import fused
+from kernels import cpu_build
+from kernels import elementwise
 from models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from models.spec import MLPSpec, RopeSpec
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    assert cpu_ops.available(), "the C++ CPU kernels did not build (see the warning)"
+    assert cpu_build.available(), "the C++ CPU kernels did not build (see the warning)"
 
 
 @pytest.fixture(autouse=True)
@@ -38,21 +38,21 @@ def calls(monkeypatch):
     """Counts calls of each fused wrapper, so a test knows which path ran."""
     counts: dict[str, int] = {}
     for name in ("rms_norm", "add_rms_norm", "act_mul", "rope"):
-        fn = getattr(fused, name)
+        fn = getattr(elementwise, name)
 
         def spy(*args, _fn=fn, _name=name, **kwargs):
             counts[_name] = counts.get(_name, 0) + 1
             return _fn(*args, **kwargs)
-        monkeypatch.setattr(fused, name, spy)
+        monkeypatch.setattr(elementwise, name, spy)
     return counts
 
 
 def torch_path(fn, *args):
-    old, fused.ENABLED = fused.ENABLED, False
+    old, elementwise.ENABLED = elementwise.ENABLED, False
     try:
         return fn(*args)
     finally:
-        fused.ENABLED = old
+        elementwise.ENABLED = old
 
 
 def assert_close(got: torch.Tensor, ref: torch.Tensor, rel: float = 1e-6) -> None:
@@ -136,7 +136,7 @@ def test_act_mul_on_gate_up_with_padded_rows():
     wide = torch.randn(6, 2 * 19 + 5, generator=gen) * 5
     gate_up = wide[:, : 2 * 19]
     gate, up = gate_up.split(19, dim=-1)
-    assert_close(fused.act_mul(gate_up, "silu"), torch.nn.functional.silu(gate) * up)
+    assert_close(elementwise.act_mul(gate_up, "silu"), torch.nn.functional.silu(gate) * up)
 
 
 def test_gelu_mlp_without_a_kernel_uses_torch(calls):
@@ -181,7 +181,7 @@ def test_no_rope_returns_inputs(calls):
 def test_env_switch_takes_the_torch_path(monkeypatch, calls):
     monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "0")
     x = torch.randn(4, 32)
-    assert not fused.use_kernel(x)
+    assert not elementwise.use_kernel(x)
     norm = _norm(32, 0.0, seed=10)
     out = norm(x)
     normed, residual = norm.add_forward(x, x)
@@ -194,11 +194,11 @@ def test_env_switch_takes_the_torch_path(monkeypatch, calls):
 def test_torch_path_for_other_dtypes_grad_and_compile(calls):
     norm = _norm(32, 0.0, seed=11)
     x = torch.randn(4, 32)
-    assert fused.use_kernel(x, norm.weight)
-    assert not fused.use_kernel(x.double(), norm.weight)
-    assert not fused.use_kernel(x.bfloat16())
+    assert elementwise.use_kernel(x, norm.weight)
+    assert not elementwise.use_kernel(x.double(), norm.weight)
+    assert not elementwise.use_kernel(x.bfloat16())
     with torch.inference_mode(False), torch.enable_grad():
-        assert not fused.use_kernel(x)
+        assert not elementwise.use_kernel(x)
     compiled = torch.compile(norm, backend="eager", fullgraph=True)
     out = compiled(x)
     assert not calls                       # traced code took the torch path
@@ -216,8 +216,8 @@ def test_two_threads_split_rows_without_changing_results():
     positions = torch.randint(0, 512, (400,), generator=gen)
 
     def run():
-        return (fused.rms_norm(x, w, 1e-6, 0.0), *fused.add_rms_norm(x, residual, w, 1e-6, 1.0),
-                fused.act_mul(gate_up, "gelu_tanh"), *fused.rope(positions, q, k, cos, sin))
+        return (elementwise.rms_norm(x, w, 1e-6, 0.0), *elementwise.add_rms_norm(x, residual, w, 1e-6, 1.0),
+                elementwise.act_mul(gate_up, "gelu_tanh"), *elementwise.rope(positions, q, k, cos, sin))
     one = run()
     torch.set_num_threads(2)
     try:

@@ -1,6 +1,6 @@
 """Greedy tokens from the LM head panels without logits (`zooinfer_cpu::linear_argmax`):
 exactly torch's argmax of the product (first index among ties, NaN counts as the maximum),
-the model's gate (`CausalLM.greedy_tokens`), and the engine's outputs with it on and off."""
+the model's gate (`CausalLM.greedy_head`, a `kernels.lm_head.GreedyHead`), and the engine's outputs with it on and off."""
 from __future__ import annotations
 
 import shutil
@@ -9,11 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from attention import cpu_ops
-from models import fused
-from models.prepack import PackedLinear, pack_panels, prepack_linears
+from kernels import cpu_build
+from kernels import elementwise, lm_head
+from kernels.gemm import pack_panels
+from models.prepack import PackedLinear, prepack_linears
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_ops.available(),
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_build.available(),
                                 reason="no C++ CPU kernels")
 
 
@@ -104,20 +105,25 @@ def test_prepack_puts_the_head_on_panels_whatever_the_kind(tiny_hf):
 
 
 def test_greedy_tokens_gate(tiny_hf, monkeypatch):
-    monkeypatch.setattr(fused, "SCREENED_ROWS", range(0))   # the bf16 screen's gate: test_screened_argmax
+    monkeypatch.setattr(lm_head, "SCREENED_ROWS", range(0))   # the bf16 screen's gate: test_screened_argmax
     model = _head_model(tiny_hf)
     h = torch.randn(40, model.spec.hidden_size)
     with torch.inference_mode():
-        assert model.greedy_tokens(h) is None                 # head not packed: no panels
-        prepack_linears(model)
+        assert model.greedy_head.tokens(h) is None                 # head not packed: no panels
+        assert model.greedy_head.path(h) == "logits"
         want = model.compute_logits(h).argmax(-1)
-        assert torch.equal(model.greedy_tokens(h), want)
-        assert model.greedy_tokens(h[:3]) is None             # outside fused.GREEDY_ROWS
-        monkeypatch.setattr(fused, "ENABLED", False)
-        assert model.greedy_tokens(h) is None
-        monkeypatch.setattr(fused, "ENABLED", True)
+        assert torch.equal(model.greedy_head(h, model.compute_logits), want)   # logits + argmax
+        prepack_linears(model)
+        assert model.greedy_head.path(h) == "linear_argmax"
+        assert torch.equal(model.greedy_head.tokens(h), want)
+        assert torch.equal(model.greedy_head(h, None), want)       # no logits needed
+        assert model.greedy_head.tokens(h[:3]) is None             # outside lm_head.GREEDY_ROWS
+        assert torch.equal(model.greedy_head(h[:3], model.compute_logits), want[:3])
+        monkeypatch.setattr(elementwise, "ENABLED", False)
+        assert model.greedy_head.tokens(h) is None
+        monkeypatch.setattr(elementwise, "ENABLED", True)
         monkeypatch.setattr(model.spec, "logits_scaling", 2.0)
-        assert model.greedy_tokens(h) is None                 # scaling could round logits into a tie
+        assert model.greedy_head.tokens(h) is None                 # scaling could round logits into a tie
 
 
 @pytest.mark.parametrize("op, gate", [("linear_argmax", "GREEDY_ROWS"), ("screened_argmax", "SCREENED_ROWS")])
@@ -125,7 +131,7 @@ def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch, op,
     """30 greedy requests decode together: tokens equal with the fused head (the fp32 kernel, or
     the bf16 screen where AMX is usable) and with logits + sampler; requests that want
     logprobs take the logits."""
-    if op == "screened_argmax" and not cpu_ops.amx_available():
+    if op == "screened_argmax" and not cpu_build.amx_available():
         pytest.skip("no AMX")
     from runtime import LLM, SamplingParams
     path, _ = tiny_hf("llama")
@@ -134,14 +140,14 @@ def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch, op,
                for n in torch.randint(1, 40, (30,), generator=g)]
     llm = LLM(str(path), max_num_batched_tokens=256)
     calls = []
-    real = getattr(fused, op)
-    monkeypatch.setattr(fused, op, lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = getattr(lm_head, op)
+    monkeypatch.setattr(lm_head, op, lambda *a: calls.append(a[0].shape[0]) or real(*a))
     if op == "linear_argmax":
-        monkeypatch.setattr(fused, "SCREENED_ROWS", range(0))   # else the screen takes every step
+        monkeypatch.setattr(lm_head, "SCREENED_ROWS", range(0))   # else the screen takes every step
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs, on = {}, getattr(fused, gate)
+    outs, on = {}, getattr(lm_head, gate)
     for rows in (on, range(0)):
-        monkeypatch.setattr(fused, gate, rows)
+        monkeypatch.setattr(lm_head, gate, rows)
         outs[len(rows)] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert calls.count(30) >= 10 and all(n in on for n in calls)   # every decode step, and only with "on"
     assert outs[len(on)] == outs[0]

@@ -8,13 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from attention import cpu_ops
+from kernels import cpu_build, gemm
 from models import prepack
 from models.prepack import PackedLinear, prepack_linears
 
 pytestmark = pytest.mark.skipif(not prepack.supported(), reason="neither the C++ kernels nor MKL available")
-needs_kernels = pytest.mark.skipif(not cpu_ops.available(), reason="C++ CPU kernels unavailable")
-KINDS = [k for k, ok in (("panel", cpu_ops.available()), ("mkl", prepack.mkl_supported())) if ok]
+needs_kernels = pytest.mark.skipif(not cpu_build.available(), reason="C++ CPU kernels unavailable")
+KINDS = [k for k, ok in (("panel", cpu_build.available()), ("mkl", prepack.mkl_supported())) if ok]
 
 
 @pytest.fixture(autouse=True)
@@ -32,14 +32,14 @@ def test_panel_linear_equals_linear(k):
     for n in (1, 17, 32, 33, 960, 3072):
         w = torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen)
-        panels = prepack.pack_panels(w)
+        panels = gemm.pack_panels(w)
         assert panels.shape == ((n + 31) // 32, k, 32)
         for m in (0, 1, 2, 7, 13, 32, 64, 65, 200):
             wide = torch.randn(m, k + 9, generator=gen)
             for x in (wide[:, 4:4 + k], wide[:, :k].contiguous()):      # strided rows and contiguous
                 for bias in (None, b):
                     want = F.linear(x, w, bias)
-                    got = torch.ops.zooinfer_cpu.panel_linear(x, panels, n, bias)
+                    got = gemm.panel_linear(x, panels, n, bias)
                     assert got.shape == (m, n)
                     scale = 1.0 + (want.abs().max().item() if want.numel() else 0.0)
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale,
@@ -48,7 +48,7 @@ def test_panel_linear_equals_linear(k):
 
 @needs_kernels
 def test_panel_linear_rejects_mismatched_shapes():
-    panels = prepack.pack_panels(torch.randn(40, 8))
+    panels = gemm.pack_panels(torch.randn(40, 8))
     with pytest.raises(RuntimeError, match="K=9"):
         torch.ops.zooinfer_cpu.panel_linear(torch.randn(3, 9), panels, 40, None)
     with pytest.raises(RuntimeError, match="n=70"):
@@ -57,7 +57,7 @@ def test_panel_linear_rejects_mismatched_shapes():
 
 def test_pack_panels_layout():
     w = torch.arange(70 * 3, dtype=torch.float32).view(70, 3)
-    p = prepack.pack_panels(w)
+    p = gemm.pack_panels(w)
     assert p.shape == (3, 3, 32) and p.is_contiguous()
     for col in range(96):
         want = w[col] if col < 70 else torch.zeros(3)
@@ -89,8 +89,8 @@ def test_panel_kind_uses_f_linear_above_the_row_threshold(monkeypatch):
     assert packed.packed.shape == (2, 48, 32)
     monkeypatch.setattr(prepack, "PANEL_MAX_ROWS", 4)
     calls = []
-    real = prepack._panel_linear
-    monkeypatch.setattr(prepack, "_panel_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    real = gemm.panel_linear
+    monkeypatch.setattr(gemm, "panel_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
     with torch.no_grad():
         for rows in (4, 5):
             x = torch.randn(rows, 48)
@@ -184,7 +184,7 @@ def test_engine_outputs_identical_with_and_without_packing(tiny_hf, monkeypatch,
     fit the cache, so by size it gets the cached-weights kind; `forced` puts it on panels."""
     from runtime import LLM, SamplingParams
     if forced == "panel":
-        if not cpu_ops.available():
+        if not cpu_build.available():
             pytest.skip("C++ CPU kernels unavailable")
         monkeypatch.setattr(prepack, "PANEL_MIN_WEIGHT_BYTES", 0)
     path, _ = tiny_hf("llama")
@@ -215,6 +215,6 @@ def test_kind_follows_whether_the_weights_fit_the_last_level_cache(monkeypatch):
         assert prepack.choose_kind(llc) == "mkl"
     monkeypatch.setattr(prepack, "mkl_supported", lambda: False)
     assert prepack.choose_kind(0) == "panel"
-    monkeypatch.setattr(prepack.cpu_ops, "available", lambda: False)
+    monkeypatch.setattr(prepack.cpu_build, "available", lambda: False)
     assert prepack.choose_kind(llc + 1) is None
 

@@ -407,12 +407,12 @@ def test_chunked_argmax_equals_torch_argmax(vocab, kernel, monkeypatch):
     """The greedy fast paths (the C++ `argmax_rows` and the chunked torch fallback) return
     exactly torch's argmax: first index among ties, NaN counted as the maximum, all -inf rows
     give 0, a maximum in the ragged last chunk."""
-    from attention import cpu_ops
-    from runtime.sampler import _argmax
-    if kernel and not cpu_ops.available():
+    from kernels import cpu_build
+    from kernels.lm_head import argmax as _argmax
+    if kernel and not cpu_build.available():
         pytest.skip("C++ CPU kernels unavailable")
     if not kernel:
-        monkeypatch.setattr(cpu_ops, "available", lambda: False)
+        monkeypatch.setattr(cpu_build, "available", lambda: False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(9, vocab, generator=g)
     x[0, 3] = x[0, vocab - 2] = 50.0                      # a tie across chunks: the first wins
@@ -430,8 +430,8 @@ def test_chunked_argmax_equals_torch_argmax(vocab, kernel, monkeypatch):
 def test_cpp_argmax_rows_small_odd_and_strided(vocab):
     """`argmax_rows` on rows shorter than, equal to and just past one 16-float vector, with
     the maximum / a NaN / -inf in the scalar tail, and on a strided view."""
-    from attention import cpu_ops
-    if not cpu_ops.available():
+    from kernels import cpu_build
+    if not cpu_build.available():
         pytest.skip("C++ CPU kernels unavailable")
     f = torch.ops.zooinfer_cpu.argmax_rows
     g = torch.Generator().manual_seed(vocab)

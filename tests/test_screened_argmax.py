@@ -9,11 +9,13 @@ import shutil
 import pytest
 import torch
 
-from attention import cpu_ops
-from models import fused
-from models.prepack import make_screen, pack_panels, prepack_linears
+from kernels import cpu_build
+from kernels import lm_head
+from kernels.gemm import pack_panels
+from kernels.lm_head import make_screen
+from models.prepack import prepack_linears
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_ops.amx_available(),
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_build.amx_available(),
                                 reason="no AMX (or no C++ CPU kernels)")
 
 
@@ -21,8 +23,8 @@ def _both(x: torch.Tensor, w: torch.Tensor, threads: int = 2) -> tuple[torch.Ten
     """(screened, linear_argmax) for x and the head w."""
     torch.set_num_threads(threads)
     panels, screen = pack_panels(w), make_screen(w)
-    got = fused.screened_argmax(x, panels, w.shape[0], screen)
-    return got, fused.linear_argmax(x, panels, w.shape[0])
+    got = lm_head.screened_argmax(x, panels, w.shape[0], screen)
+    return got, lm_head.linear_argmax(x, panels, w.shape[0])
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 64, 130])
@@ -123,12 +125,12 @@ def test_a_screen_that_disagrees_is_dropped(tiny_hf, monkeypatch):
     head keeps only the fp32 kernel."""
     import dataclasses
 
-    from models import prepack, resolve_spec
+    from models import resolve_spec
     from models.builder import CausalLM
     path, _ = tiny_hf("llama")
     model = CausalLM(resolve_spec(str(path))).eval()
-    real = prepack.make_screen
-    monkeypatch.setattr(prepack, "make_screen", lambda w: dataclasses.replace(real(w), tiles=-real(w).tiles))
+    real = lm_head.make_screen
+    monkeypatch.setattr(lm_head, "make_screen", lambda w: dataclasses.replace(real(w), tiles=-real(w).tiles))
     with pytest.warns(RuntimeWarning, match="bf16 screen disagreed"):
         prepack_linears(model)
     assert model.lm_head.kind == "panel" and model.lm_head.screen is None
@@ -144,11 +146,11 @@ def test_model_uses_the_screen_for_any_rows(tiny_hf, monkeypatch):
         prepack_linears(model)
         assert model.lm_head.screen is not None
         calls = []
-        real = fused.screened_argmax
-        monkeypatch.setattr(fused, "screened_argmax", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+        real = lm_head.screened_argmax
+        monkeypatch.setattr(lm_head, "screened_argmax", lambda *a: calls.append(a[0].shape[0]) or real(*a))
         for rows in (1, 3, 40):
             h = torch.randn(rows, model.spec.hidden_size)
-            assert torch.equal(model.greedy_tokens(h), model.compute_logits(h).argmax(-1))
+            assert torch.equal(model.greedy_head.tokens(h), model.compute_logits(h).argmax(-1))
         assert calls == [1, 3, 40]
-        monkeypatch.setattr(fused, "SCREENED_ROWS", range(0))
-        assert model.greedy_tokens(torch.randn(3, model.spec.hidden_size)) is None   # back to GREEDY_ROWS
+        monkeypatch.setattr(lm_head, "SCREENED_ROWS", range(0))
+        assert model.greedy_head.tokens(torch.randn(3, model.spec.hidden_size)) is None   # back to GREEDY_ROWS

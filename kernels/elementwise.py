@@ -1,37 +1,24 @@
-"""Fused CPU kernels for the elementwise parts of a decoder layer, and when to use them.
+"""Fused CPU kernels for the elementwise parts of a decoder layer (kernels/cpu/fused_elementwise.cpp),
+and when to use them.
 
 In eager mode every torch op is its own pass over memory: RMSNorm is six of them, rope a
-dozen, act(gate) * up three. The C++ ops in attention/cpu_kernels/fused_elementwise.cpp do
-each in one pass per row (same fp32 formulas, a few ulp apart). `use_kernel` says when they
-apply: eager mode only (under torch.compile the torch code stays, so inductor fuses it
+dozen, act(gate) * up three. These C++ ops do each in one pass per row (same fp32 formulas,
+a few ulp apart). `use_kernel` says when they apply: eager mode only (under torch.compile the torch code stays, so inductor fuses it
 itself and the graph has no opaque ops), fp32 CPU tensors, no autograd (the ops have no
 backward), and the kernel library built (`ZOOINFER_CPU_KERNELS=0` turns it off).
-`ENABLED = False` turns off only these ops (A/B benchmarks), not the attention kernels.
+`ENABLED = False` turns off only these ops and the fused LM head (`lm_head.GreedyHead` asks
+`use_kernel` too; A/B benchmarks), not the attention kernels or the panel GEMM.
 
 Each wrapper's torch twin is the code next to its call site in models/layers.py.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 
-from attention import cpu_ops
+from kernels import cpu_build
 
 ENABLED = True
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}   # activation name -> the act_mul kernel's `kind`
-# Row counts for which `linear_argmax` (attention/cpu_kernels/linear_argmax.cpp) beats the LM
-# head product + argmax on this project's bench machine (2 threads, tiny Llama and SmolLM2
-# heads): from 24 rows up, 15-45% faster (1024 rows included: it passes over the weight once
-# per 64 rows, but never writes or re-reads the logits). Fewer rows leave most of its
-# 16-token vector lanes empty and the product is a weight stream, where the panel kernel is
-# as fast.
-GREEDY_ROWS = range(24, sys.maxsize)
-# Row counts for which a head with a bf16 screen (`prepack.Bf16Screen`, AMX) uses
-# `screened_argmax` instead: 1.3-3.5x faster than `linear_argmax` and 1-5x than the panel
-# product + argmax at 1-256 rows on the tiny Llama and SmolLM2 heads (`python -m
-# bench.greedy_head`: it reads half the bytes and multiplies on AMX), and as exact.
-SCREENED_ROWS = range(1, sys.maxsize)
 
 
 def use_kernel(*tensors: torch.Tensor) -> bool:
@@ -41,7 +28,7 @@ def use_kernel(*tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.device.type != "cpu" or t.dtype != torch.float32:
             return False
-    return cpu_ops.available()
+    return cpu_build.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
@@ -59,21 +46,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for gate_up = [tokens, 2 * I] (gate first); activation in ACTIVATIONS."""
     return torch.ops.zooinfer_cpu.act_mul(gate_up, ACTIVATIONS[activation])
-
-
-def linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
-    """`(x @ W.T).argmax(-1)` without the logits (first index of the maximum, NaN wins, as
-    torch.argmax); x [M, K], W [n, K] given as its column panels (`prepack.pack_panels`).
-    Returns int64 [M]."""
-    return torch.ops.zooinfer_cpu.linear_argmax(x, panels, n)
-
-
-def screened_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, screen) -> torch.Tensor:
-    """The same tokens as `linear_argmax(x, panels, n)`, screened on the head's bf16 copy
-    (`screen`, a `prepack.Bf16Screen`) and decided in fp32 among the rows the screen cannot
-    rule out. Returns int64 [M]."""
-    return torch.ops.zooinfer_cpu.screened_argmax(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
-                                                  screen.dw_norm)
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,

@@ -1,0 +1,122 @@
+"""Build and load the C++ CPU kernels (kernels/cpu/*.cpp): one library, op namespace `zooinfer_cpu`.
+
+Every .cpp in kernels/cpu registers its ops into `torch.ops.zooinfer_cpu`; the wrapper
+modules next to this one (`paged_attention`, `gemm`, `lm_head`, `elementwise`) call them and
+say when they apply. The build is lazy: the first `available()` call compiles (tens of
+seconds) or loads the cached library from `$ZOOINFER_CACHE/torch_extensions` (default
+`~/.cache/zooinfer/torch_extensions`).
+
+The library is built with `-march=native` (the cache directory is keyed by a hash of the
+CPU's feature flags and the torch version, so a home directory shared between different
+machines never loads code built for another CPU); if that build fails it retries with
+plain `-O3`; if that fails too it warns once and `available()` stays False, so callers fall
+back to their torch path. `ZOOINFER_CPU_KERNELS=0` forces the fallback without building.
+The sources (headers included) ship as package data, so an installed wheel builds from
+its own copy.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCES = Path(__file__).parent / "cpu"   # every *.cpp there is one library, op namespace zooinfer_cpu
+_lock = threading.Lock()
+_state: dict = {}          # "ok": bool once a build was attempted; "seconds": build/load time;
+                           # "library": path of the loaded shared library
+
+
+def enabled() -> bool:
+    """False when ZOOINFER_CPU_KERNELS=0 (read on every call, so tests can toggle it)."""
+    return os.environ.get("ZOOINFER_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cpu_key() -> str:
+    """Hash of the CPU's feature flags: code built with -march=native runs only where they match."""
+    flags = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags += line
+                break
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:10]
+
+
+def _build_root() -> Path:
+    root = os.environ.get("ZOOINFER_CACHE") or Path.home() / ".cache" / "zooinfer"
+    return Path(root) / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}-{_cpu_key()}"
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+    try:   # the `ninja` wheel puts its binary next to the venv's python, which may not be on PATH
+        import ninja
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    errors = []
+    # torch rebuilds when a source's text or the flags change; the headers' digest is a flag,
+    # so a change to a shared header (panels.h, vec_exp.h, ...) rebuilds too.
+    headers = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))).hexdigest()[:12]
+    for name, arch in (("zooinfer_cpu_native", ["-march=native"]), ("zooinfer_cpu", [])):
+        build_dir = _build_root() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            cpp_extension.load(name=name, sources=sorted(str(f) for f in SOURCES.glob("*.cpp")),
+                               build_directory=str(build_dir),
+                               extra_cflags=["-O3", "-fopenmp", *arch, f"-DZOOINFER_HEADERS={headers}"],
+                               extra_ldflags=["-fopenmp"],
+                               is_python_module=False, verbose=False)
+            _state["library"] = str(build_dir / f"{name}.so")
+            return
+        except Exception as e:   # noqa: BLE001 - any build failure means "use the fallback"
+            errors.append(f"{' '.join(arch) or 'plain -O3'}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
+    raise RuntimeError("; ".join(errors))
+
+
+def available() -> bool:
+    """Whether the kernels can be used now (env switch on, library built or loaded)."""
+    if not enabled():
+        return False
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                t0 = time.perf_counter()
+                try:
+                    if shutil.which(os.environ.get("CXX", "c++")) is None:
+                        raise RuntimeError("no C++ compiler found (set CXX)")
+                    _build()
+                    _state["ok"] = True
+                except Exception as e:   # noqa: BLE001
+                    warnings.warn(f"zooinfer C++ CPU kernels unavailable, using the torch fallback: {e}",
+                                  RuntimeWarning, stacklevel=2)
+                    _state["ok"] = False
+                _state["seconds"] = time.perf_counter() - t0
+    return _state["ok"]
+
+
+def amx_available() -> bool:
+    """Whether the library was built with AMX tiles and the OS lets this process use them
+    (`screened_argmax` needs both; otherwise it runs the fp32 `linear_argmax`)."""
+    return available() and bool(torch.ops.zooinfer_cpu.amx_available())
+
+
+def build_seconds() -> float | None:
+    """Seconds the first `available()` spent building or loading the library (None before)."""
+    return _state.get("seconds")
+
+
+def library_path() -> str | None:
+    """The shared library `available()` loaded (its build directory holds the build.ninja
+    naming the sources it came from); None before or without a successful build."""
+    return _state.get("library")

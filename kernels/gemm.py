@@ -1,0 +1,31 @@
+"""The panel layout of linear weights and the panel GEMM (kernels/cpu/panel_gemm.cpp, panels.h).
+
+A weight `[N, K]` packed once as contiguous column panels `[ceil(N/NR), K, NR]` is read in
+address order, each byte once per product, so a decode step's few rows stream the weight
+from DRAM at full rate (models/prepack.py decides which linears get panels and up to how
+many rows they use them). The LM head kernels (`lm_head.linear_argmax`, the fp32 decision
+of `lm_head.screened_argmax`) read the same panels.
+"""
+from __future__ import annotations
+
+import torch
+
+NR = 32                     # panel width (panels.h: two 16-float vectors)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """`w [N, K]` as contiguous column panels `[ceil(N/NR), K, NR]`, zero-padded past N."""
+    n, k = w.shape
+    full, tail = divmod(n, NR)
+    panels = torch.zeros(full + (tail > 0), k, NR, dtype=w.dtype)
+    with torch.no_grad():
+        panels[:full] = w[:full * NR].view(full, NR, k).transpose(1, 2)
+        if tail:
+            panels[full, :, :tail] = w[full * NR:].T
+    return panels
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, W, bias)` for fp32 x `[M, K]` (rows contiguous) and W `[n, K]` given as its
+    panels (`pack_panels`). Needs the kernel library (`cpu_build.available()`)."""
+    return torch.ops.zooinfer_cpu.panel_linear(x, panels, n, bias)

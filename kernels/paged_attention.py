@@ -1,0 +1,69 @@
+"""The paged attention kernels of kernels/cpu (paged_decode.cpp, paged_prefill.cpp, kv_write.cpp).
+
+`paged_decode` is the CPU decode path of the torch backend (attention/torch_backend.py): it
+reads each page of a request once, token-major, with the query heads of a GQA group sharing
+each K/V row (see the .cpp header for why that beats the sparse `sampled_addmm` path).
+`paged_prefill` is its path for everything else (prefill chunks, several tokens after a
+preemption): varlen causal attention straight from the pages, no padding to the longest
+chunk and no masked upper triangle (`python -m bench.cpu_attention --prefill` compares it
+with the padded SDPA). `write_kv` stores a step's keys and values into their pages in one
+pass. Callers check `cpu_build.available()` first (`write_kv` checks it itself).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import cpu_build
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
+                 token_index: torch.Tensor, seq_lens: torch.Tensor, window: int | None, scale: float,
+                 out: torch.Tensor) -> None:
+    """Decode attention written into `out[token_index]`.
+
+    q, out: float32 `[num_tokens, heads, head_dim]` (any strides, last dim contiguous);
+    kv_cache: one layer's contiguous `[blocks, 2, block_size, kv_heads, head_dim]` float32;
+    block_table: int32 `[num_reqs, max_blocks]`; rows, token_index, seq_lens: int64 `[n]`
+    (block table row, query token and context length incl. the new token of each decode);
+    window: sliding window (keys at positions > seq_len - 1 - window) or None.
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    torch.ops.zooinfer_cpu.paged_decode(q, kv_cache, block_table, rows, token_index, seq_lens,
+                                        0 if window is None else int(window), float(scale), out)
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
+                  query_start: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
+                  scale: float, out: torch.Tensor) -> None:
+    """Causal attention of several query tokens per request, written into `out` at their rows.
+
+    q, out: float32 `[num_tokens, heads, head_dim]` (any strides, last dim contiguous; head_dim
+    <= 256); kv_cache: one layer's contiguous `[blocks, 2, block_size, kv_heads, head_dim]`
+    float32 holding every key the queries see (this step's included); block_table: int32
+    `[num_reqs, max_blocks]`; rows, query_start, query_lens, seq_lens: int64 `[n]` (block table
+    row, first query token, number of query tokens and context length after this step of each
+    request). Request i's queries sit at positions seq_len - query_len ... seq_len - 1 and see
+    the keys at positions <= their own (and > their own - window when window is set).
+    """
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    torch.ops.zooinfer_cpu.paged_prefill(q, kv_cache, block_table, rows, query_start, query_lens, seq_lens,
+                                         0 if window is None else int(window), float(scale), out)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Store k[t], v[t] (`[tokens, kv_heads, head_dim]`, the cache's dtype) at cache slot
+    slots[t] (int64, block * block_size + offset) of one layer's contiguous CPU cache
+    `[blocks, 2, block_size, kv_heads, head_dim]`, in one pass. k and v may be strided views
+    (e.g. of the qkv projection) as long as each token's row is contiguous. Returns False,
+    writing nothing, when the kernel does not apply (library off or missing, other layouts);
+    the caller then writes with torch."""
+    def rows_ok(x: torch.Tensor) -> bool:
+        return (x.dim() == 3 and x.dtype == kv_cache.dtype and x.device.type == "cpu" and x.stride(2) == 1
+                and (x.shape[1] == 1 or x.stride(1) == x.shape[2]))
+    if not (kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and slots.dtype == torch.int64
+            and rows_ok(k) and rows_ok(v) and cpu_build.available()):
+        return False
+    torch.ops.zooinfer_cpu.write_kv(kv_cache, k, v, slots)
+    return True
