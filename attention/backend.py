@@ -57,7 +57,7 @@ class AttentionBackend(ABC):
         Returns [num_tokens, num_heads, head_dim].
         """
 
-    # CUDA graphs (runtime/cuda_graphs.py): a backend that sets `supports_cuda_graphs` keeps
+    # CUDA graphs (runtime/worker/cuda_graphs.py): a backend that sets `supports_cuda_graphs` keeps
     # a decode bucket's metadata in static tensors that a captured graph reads, re-planned
     # in place before each replay.
     supports_cuda_graphs: bool = False

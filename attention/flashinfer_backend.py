@@ -16,7 +16,7 @@ The wrappers' own `plan()` needs the head counts, dtype and softmax scale, which
 first layer's call reveals, so it runs lazily inside that layer's `forward` (host work only).
 Layers whose scale differs from the planned one get their queries rescaled instead.
 
-CUDA graphs (runtime/cuda_graphs.py) use `graph_metadata` / `plan_graph`: per batch-size
+CUDA graphs (runtime/worker/cuda_graphs.py) use `graph_metadata` / `plan_graph`: per batch-size
 bucket a decode wrapper built on static index buffers, re-planned in place before each replay.
 flashinfer is imported only when this backend is constructed; nothing here runs on CPU except
 the pure planning helpers.

@@ -198,7 +198,10 @@ def swap_in(engine, ref: str | None) -> None:
     if ref is None:
         return
     backend = load_at(ref, "attention/torch_backend.py", "_ref_torch_backend")
-    sampler = load_at(ref, "runtime/sampler.py", "_ref_sampler")
+    try:
+        sampler = load_at(ref, "runtime/worker/sampler.py", "_ref_sampler")
+    except subprocess.CalledProcessError:   # refs from before the worker package
+        sampler = load_at(ref, "runtime/sampler.py", "_ref_sampler")
     engine.runner.backend = backend.TorchAttentionBackend()
     engine.runner.sampler = sampler.Sampler()
 

@@ -15,7 +15,7 @@ from cache.kv_cache_spec import FullAttentionSpec
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config
 from runtime.request import Request, RequestStatus
-from runtime.sampler import Sampler, SamplingMetadata
+from runtime.worker.sampler import Sampler, SamplingMetadata
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Scheduler
 

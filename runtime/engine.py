@@ -26,7 +26,7 @@ from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.limits import ParamError, check_text, is_int
-from runtime.model_runner import ModelRunner
+from runtime.worker.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.parallel_sampling import fan_out
 from runtime.request import Request, RequestStatus

@@ -5,7 +5,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from cache.block_table import BlockTable, MultiGroupBlockTable  # noqa: E402
+from runtime.worker.block_table import BlockTable, MultiGroupBlockTable  # noqa: E402
 
 
 def _row(t: BlockTable, row: int) -> list[int]:

@@ -15,9 +15,9 @@ from attention.flashinfer_backend import paged_kv_csr
 from cache.kv_cache_spec import FullAttentionSpec, StateSpec
 from runtime import LLM, SamplingParams
 from runtime.config import EngineConfig
-from runtime.cuda_graphs import (capture_sizes, choose_bucket, decode_bucket,
+from runtime.worker.cuda_graphs import (capture_sizes, choose_bucket, decode_bucket,
                                  pad_decode_layout, pad_tokens, unsupported_reason)
-from runtime.step_plan import StepBatch
+from runtime.worker.step_plan import StepBatch
 
 torch.set_num_threads(1)
 

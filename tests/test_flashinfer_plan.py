@@ -194,7 +194,7 @@ def test_forward_with_stand_in_kernels(fake_flashinfer, window):
 def test_graph_metadata_is_replanned_in_place(fake_flashinfer, window):
     """A CUDA-graph bucket's metadata: planned lazily at the warm-up forward, then re-planned
     in place for each step's padded decode batch; the tensors a graph would hold stay put."""
-    from runtime.cuda_graphs import pad_decode_layout
+    from runtime.worker.cuda_graphs import pad_decode_layout
     fi, torch_be = get_backend("flashinfer"), get_backend("torch")
     meta = fi.graph_metadata(4, 10, 4, window, "cpu")
     empty = BatchLayout(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64), torch.zeros(0, 10, dtype=torch.int32),

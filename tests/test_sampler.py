@@ -7,7 +7,7 @@ import torch
 
 torch.set_num_threads(1)
 
-from runtime.sampler import Sampler, SamplingMetadata, _apply_top_k_top_p  # noqa: E402
+from runtime.worker.sampler import Sampler, SamplingMetadata, _apply_top_k_top_p  # noqa: E402
 from runtime.limits import ParamError  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cache.block_table import MultiGroupBlockTable
+from runtime.worker.block_table import MultiGroupBlockTable
 from runtime.scheduler import NewRequestData
 
 

@@ -29,7 +29,7 @@ import torch
 
 from attention import BatchLayout, ForwardContext, set_forward_context
 from cache.kv_cache_spec import StateSpec
-from runtime.step_plan import StepBatch, plan_layers
+from runtime.worker.step_plan import StepBatch, plan_layers
 
 log = logging.getLogger("zooinfer")
 

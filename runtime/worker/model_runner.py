@@ -20,10 +20,10 @@ import torch
 from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
 from models.builder import CausalLM
-from runtime.input_batch import InputBatch
-from runtime.sampler import Sampler, SamplerOutput, SamplingMetadata
+from runtime.worker.input_batch import InputBatch
+from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
-from runtime.step_plan import StepBatch, plan_layers
+from runtime.worker.step_plan import StepBatch, plan_layers
 
 
 @dataclass(slots=True)
@@ -54,9 +54,9 @@ class ModelRunner:
             # Inductor reads the variable when it first needs its cache, i.e. at the first compile.
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(compile_cache_dir)
         self.forward = self._compile(model) if compile else model.forward
-        self.graphs = None      # decode steps replay captured CUDA graphs (runtime/cuda_graphs.py)
+        self.graphs = None      # decode steps replay captured CUDA graphs (runtime/worker/cuda_graphs.py)
         if cuda_graphs:
-            from runtime.cuda_graphs import CudaGraphRunner
+            from runtime.worker.cuda_graphs import CudaGraphRunner
             self.graphs = CudaGraphRunner(self, max_num_reqs, cuda_graph_max_bs)
             self.graphs.capture()
 
