@@ -200,13 +200,7 @@ class Engine:
     def fork(self, parent_id: str, child_id: str) -> None:
         """Start `child_id` as a copy of a running request, sharing its computed blocks
         (copy-on-write); between steps only. Beam search forks its beams with it."""
-        parent = self.scheduler.requests[parent_id]
-        child = Request(child_id, parent.prompt_token_ids, parent.sampling_params, self.eos_token_ids,
-                        parent.max_tokens, prompt=parent.prompt, cache_salt=parent.cache_salt.decode() or None)
-        child.output_token_ids = list(parent.output_token_ids)
-        child.all_token_ids = list(parent.all_token_ids)
-        child.external_tokens = parent.external_tokens
-        self.scheduler.fork(parent_id, child)
+        self.scheduler.fork(parent_id, self.scheduler.requests[parent_id].clone(child_id))
 
     def append_tokens(self, request_id: str, tokens: list[int]) -> None:
         """Feed a request its next tokens from outside (see Request.external_tokens)."""

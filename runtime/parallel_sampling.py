@@ -29,9 +29,7 @@ def fan_out(request: Request) -> list[Request]:
         return [request]
     samples = [request]
     for i in range(1, p.n):
-        s = Request(sample_id(request.request_id, i), request.prompt_token_ids, p.sample_params(i),
-                    request.eos_token_ids, request.max_tokens, prompt=request.prompt,
-                    cache_salt=request.cache_salt.decode() or None)
+        s = request.clone(sample_id(request.request_id, i), p.sample_params(i))
         s.sample_index = i
         samples.append(s)
     request.sampling_params = p.sample_params(0)

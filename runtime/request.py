@@ -66,6 +66,17 @@ class Request:
         self.external_tokens = False
         self.sample_index = 0               # i of `<id>#i`, sample i of n (runtime/parallel_sampling.py)
 
+    def clone(self, request_id: str, sampling_params: SamplingParams | None = None) -> Request:
+        """A new request with this one's prompt, tokens so far and limits (a fork's child,
+        a sample of n); it starts unscheduled, with no blocks of its own."""
+        child = Request(request_id, self.prompt_token_ids, sampling_params or self.sampling_params,
+                        self.eos_token_ids, self.max_tokens, prompt=self.prompt,
+                        cache_salt=self.cache_salt.decode() or None)
+        child.output_token_ids = list(self.output_token_ids)
+        child.all_token_ids = list(self.all_token_ids)
+        child.external_tokens = self.external_tokens
+        return child
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
