@@ -10,6 +10,7 @@ from torch import nn
 from cache.kv_cache_spec import KVCacheSpec
 from kernels.lm_head import GreedyHead
 from models.kinds import KINDS, linear_sources
+from models.moe import moe_sources
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from models.spec import DTYPES, ModelSpec
 
@@ -26,9 +27,11 @@ class CausalLM(nn.Module):
         rotary = RotaryEmbedding(spec.attention.head_dim, spec.rope, spec.max_model_len)
         local = rotary if spec.rope_local is None else \
             RotaryEmbedding(spec.attention.head_dim, spec.rope_local, spec.max_model_len)
-        kinds = [KINDS[k] for k in spec.layer_kinds]
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, local if kind.local_rope else rotary, kind)
-                                    for i, kind in enumerate(kinds))
+        mixers: list[list] = [[] for _ in range(spec.num_layers)]
+        for cache_id, (i, name) in enumerate(spec.cache_layers()):
+            kind = KINDS[name]
+            mixers[i].append((kind, cache_id, local if kind.local_rope else rotary))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, m) for i, m in enumerate(mixers))
         self.norm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -36,13 +39,14 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]. Returns final hidden states [num_tokens, hidden]."""
+        """input_ids, positions: [num_tokens]; kv_caches by cache id (`ModelSpec.cache_layers`).
+        Returns final hidden states [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             x = x * self.spec.embedding_multiplier
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache)
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, [kv_caches[c] for c in layer.cache_ids])
         if residual is None:
             return self.norm(x)
         return self.norm.add_forward(x, residual, self.layers[-1].delta_multiplier)[0]
@@ -58,13 +62,19 @@ class CausalLM(nn.Module):
         `prepack_linears` may have replaced with its packed copy."""
         return GreedyHead(self.lm_head, self.spec.logits_scaling)
 
-    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
-        """What cache each layer needs, by layer id (its kind's `cache_spec`)."""
-        specs: dict[int, KVCacheSpec] = {}
-        for i, name in enumerate(self.spec.layer_kinds):
+    def mixers(self):
+        """(cache id, kind, mixer module) of every token mixer, in cache-id order."""
+        for cache_id, (i, name) in enumerate(self.spec.cache_layers()):
             kind = KINDS[name]
-            specs[i] = kind.cache_spec(self.spec, getattr(self.layers[i], kind.attr), block_size, dtype)
-        return specs
+            yield cache_id, kind, getattr(self.layers[i], kind.attr)
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
+        """What cache each token mixer needs, by cache id (its kind's `cache_spec`)."""
+        return {cid: kind.cache_spec(self.spec, mixer, block_size, dtype) for cid, kind, mixer in self.mixers()}
+
+    def state_mixers(self) -> dict[int, nn.Module]:
+        """State-layer mixers by cache id: `zooinfer::state_update` finds its module here."""
+        return {cid: mixer for cid, kind, mixer in self.mixers() if kind.attr == "mixer"}
 
     def weight_sources(self) -> dict[str, list[tuple[str, int, int]]]:
         """Our parameter name -> [(checkpoint tensor name, row offset, rows)].
@@ -84,47 +94,24 @@ class CausalLM(nn.Module):
         for i in range(s.num_layers):
             hf = name("layer").format(i=i)
             ours = f"layers.{i}."
-            moe = s.moe is not None and s.moe.is_moe(i)
-            src[ours + "input_layernorm.weight"] = [(hf + name("input_norm"), 0, s.hidden_size)]
-            src[ours + "post_attention_layernorm.weight"] = [(hf + name("post_attn_norm"), 0, s.hidden_size)]
+            ffn = s.ffn_kind(i)
+            layer = self.layers[i]
+            if layer.cache_ids:
+                src[ours + "input_layernorm.weight"] = [(hf + name("input_norm"), 0, s.hidden_size)]
+            if ffn != "none":
+                src[ours + "post_attention_layernorm.weight"] = [(hf + name("post_attn_norm"), 0, s.hidden_size)]
             if s.norm.sandwich:
                 src[ours + "pre_feedforward_layernorm.weight"] = [(hf + name("pre_ffn_norm"), 0, s.hidden_size)]
                 src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
-            if moe:
-                src.update(self._moe_sources(ours + "mlp.", hf + (name("moe") + "." if name("moe") else "")))
-            else:
+            if ffn == "moe":
+                src.update(moe_sources(s, ours + "mlp.", hf + (name("moe") + "." if name("moe") else "")))
+            elif ffn == "mlp":
                 gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
                 src.update(linear_sources(ours + "mlp.gate_up_proj", hf, gate_up, m.bias))
                 src.update(linear_sources(ours + "mlp.down_proj", hf, [(name("down"), 0, s.hidden_size)], m.bias))
-            kind = KINDS[s.layer_kinds[i]]
-            mixer = getattr(self.layers[i], kind.attr)
-            src.update(kind.weight_sources(s, mixer, f"{ours}{kind.attr}.", hf))
-        return src
-
-    def _moe_sources(self, ours: str, hf: str) -> dict[str, list[tuple[str, int, int]]]:
-        """Per-expert checkpoint tensors into the fused expert params, viewed 2-D:
-        gate_up [E, 2I, H] as [E*2I, H] (expert e: gate rows e*2I.., up rows e*2I+I..),
-        down [E, H, I] as [E*H, I]."""
-        m, H = self.spec.moe, self.spec.hidden_size
-        I, E, S = m.intermediate_size, m.num_experts, m.shared_expert_intermediate_size
-        if m.style == "granite":   # fused on disk already; shared MLP beside the experts
-            src = {ours + "shared_mlp.input_linear.weight": [(hf + "shared_mlp.input_linear.weight", 0, 2 * S)],
-                   ours + "shared_mlp.output_linear.weight": [(hf + "shared_mlp.output_linear.weight", 0, H)]}
-            if E:
-                moe = hf + "block_sparse_moe."
-                src[ours + "block_sparse_moe.router.weight"] = [(moe + "router.layer.weight", 0, E)]
-                src[ours + "block_sparse_moe.experts.gate_up_proj"] = [(moe + "input_linear.weight", 0, E)]
-                src[ours + "block_sparse_moe.experts.down_proj"] = [(moe + "output_linear.weight", 0, E)]
-            return src
-        src = {ours + "gate.weight": [(hf + "gate.weight", 0, E)],
-               ours + "shared_expert_gate.weight": [(hf + "shared_expert_gate.weight", 0, 1)],
-               ours + "shared_expert.gate_proj.weight": [(hf + "shared_expert.gate_proj.weight", 0, S)],
-               ours + "shared_expert.up_proj.weight": [(hf + "shared_expert.up_proj.weight", 0, S)],
-               ours + "shared_expert.down_proj.weight": [(hf + "shared_expert.down_proj.weight", 0, H)]}
-        src[ours + "experts.gate_up_proj"] = [
-            (f"{hf}experts.{e}.{part}_proj.weight", e * 2 * I + k * I, I)
-            for e in range(E) for k, part in enumerate(("gate", "up"))]
-        src[ours + "experts.down_proj"] = [(f"{hf}experts.{e}.down_proj.weight", e * H, H) for e in range(E)]
+            for kind_name in s.layer_mixers(i):
+                kind = KINDS[kind_name]
+                src.update(kind.weight_sources(s, getattr(layer, kind.attr), f"{ours}{kind.attr}.", hf))
         return src
 
 

@@ -201,60 +201,76 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)), where the mixer is the one
-    `kind` makes (kept as `self_attn` or, for state layers, `mixer`). With sandwich
-    norms (Gemma 2/3) each sub-block's output is normed too before the residual add:
+    """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)).
+
+    The token mixers come from the layer's kinds (models.kinds), each kept under its kind's
+    attribute (`self_attn`; `mixer` for state layers) and addressed by its cache id; several
+    run in parallel on the same normed input and are summed (Falcon-H1), none leaves an
+    MLP-only layer (Nemotron-H), and `mlp` None a mixer-only one. With sandwich norms
+    (Gemma 2/3) each sub-block's output is normed too before the residual add:
     x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x))).
     Every residual add runs fused with the norm that follows it (`RMSNorm.add_forward`), vLLM
-    style: the block's last add happens in the next layer's input norm (or the final norm)."""
+    style: the block's last add happens in the next layer's first norm (or the final norm)."""
 
-    def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding, kind: LayerKind):
+    def __init__(self, spec: ModelSpec, layer_id: int, mixers: list[tuple[LayerKind, int, nn.Module]]):
+        """mixers: (kind, cache id, rotary) per token mixer of this layer."""
         super().__init__()
         n = spec.norm
         self.layer_id = layer_id
-        self.input_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         self.self_attn = self.mixer = None     # the runtime finds state layers by `mixer`
-        setattr(self, kind.attr, kind.make_mixer(spec, layer_id, rotary))
-        self._mixer_attr, self._forward_mixer = kind.attr, kind.forward
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
-        if spec.moe is not None and spec.moe.is_moe(layer_id):
-            from models.moe import GraniteMoEBlock, SparseMoE
-            m = spec.moe
-            if m.style == "granite":
-                self.mlp = GraniteMoEBlock(spec.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size,
-                                           m.num_experts, m.num_experts_per_tok, spec.mlp.activation)
-            else:
-                self.mlp = SparseMoE(spec.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size,
-                                     m.num_experts, m.num_experts_per_tok, m.norm_topk_prob, spec.mlp.activation)
+        self._mixers = []                       # (attribute, kind forward, cache id)
+        for kind, cache_id, rotary in mixers:
+            setattr(self, kind.attr, kind.make_mixer(spec, cache_id, rotary))
+            self._mixers.append((kind.attr, kind.forward, cache_id))
+        self.cache_ids = [c for _, _, c in self._mixers]
+        ffn = spec.ffn_kind(layer_id)
+        if ffn == "moe":
+            from models.moe import make_moe
+            self.mlp = make_moe(spec, layer_id)
         else:
-            self.mlp = GatedMLP(spec)
+            self.mlp = GatedMLP(spec) if ffn == "mlp" else None
+        if self._mixers:
+            self.input_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
+        if self.mlp is not None:
+            self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         self.sandwich = n.sandwich
         self.residual_multiplier = spec.residual_multiplier
         if n.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
 
-    def _mix(self, positions, h, cache):
-        return self._forward_mixer(getattr(self, self._mixer_attr), self.layer_id, positions, h, cache)
+    def _mix(self, positions, h, caches):
+        out = None
+        for (attr, forward, cache_id), cache in zip(self._mixers, caches):
+            y = forward(getattr(self, attr), cache_id, positions, h, cache)
+            out = y if out is None else out + y
+        return out
 
     @property
     def delta_multiplier(self) -> float:
         """What the delta this layer returns is scaled by when added to the residual stream."""
         return 1.0 if self.sandwich else self.residual_multiplier
 
-    def forward(self, positions, x, residual, kv_cache):
+    @staticmethod
+    def _add_norm(norm: RMSNorm, x, residual, multiplier: float):
+        if residual is None:           # the first layer: x is the embeddings
+            return norm(x), x
+        return norm.add_forward(x, residual, multiplier)
+
+    def forward(self, positions, x, residual, caches):
         """Returns (delta, residual): the residual stream without this layer's last sub-block
         output, and that output (`delta`). The caller adds `delta * delta_multiplier` in the next
-        norm (the next layer's input norm, or the final norm) in one fused pass, as vLLM does.
-        The first layer gets the embeddings as `x` and residual None."""
-        if residual is None:
-            h = self.input_layernorm(x)
-            residual = x
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual, self.delta_multiplier)
-        h = self._mix(positions, h, kv_cache)
-        if self.sandwich:
-            h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
-        h, residual = self.post_attention_layernorm.add_forward(h, residual, self.residual_multiplier)
+        norm (the next layer's first norm, or the final norm) in one fused pass, as vLLM does.
+        The first layer gets the embeddings as `x` and residual None. `caches`: one per mixer."""
+        multiplier = self.delta_multiplier     # scales x, the previous layer's delta
+        if self._mixers:
+            h, residual = self._add_norm(self.input_layernorm, x, residual, multiplier)
+            x = self._mix(positions, h, caches)
+            if self.mlp is None:
+                return x, residual
+            multiplier = self.residual_multiplier
+            if self.sandwich:
+                h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(x), residual)
+                return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self._add_norm(self.post_attention_layernorm, x, residual, multiplier)
         return self.mlp(h), residual

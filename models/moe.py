@@ -19,13 +19,16 @@ no Python loop over tokens; the loop over experts only visits experts that got t
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from models import activations  # engine names and HF `hidden_act` spellings
+
+if TYPE_CHECKING:
+    from models.spec import ModelSpec
 
 def _cfg(config: Any, key: str, default: Any = None) -> Any:
     if isinstance(config, Mapping):
@@ -244,3 +247,40 @@ class GraniteMoEBlock(nn.Module):
         if self.block_sparse_moe is None:
             return shared
         return self.block_sparse_moe(x) + shared
+
+
+def make_moe(spec: ModelSpec, layer_id: int) -> nn.Module:
+    """The MoE block of an MoE layer (`moe:` section)."""
+    m = spec.moe
+    if m.style == "granite":
+        return GraniteMoEBlock(spec.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size,
+                               m.num_experts, m.num_experts_per_tok, spec.mlp.activation)
+    return SparseMoE(spec.hidden_size, m.intermediate_size, m.shared_expert_intermediate_size,
+                     m.num_experts, m.num_experts_per_tok, m.norm_topk_prob, spec.mlp.activation)
+
+
+def moe_sources(spec: ModelSpec, ours: str, hf: str) -> dict[str, list[tuple[str, int, int]]]:
+    """Per-expert checkpoint tensors into the fused expert params, viewed 2-D:
+    gate_up [E, 2I, H] as [E*2I, H] (expert e: gate rows e*2I.., up rows e*2I+I..),
+    down [E, H, I] as [E*H, I]."""
+    m, H = spec.moe, spec.hidden_size
+    I, E, S = m.intermediate_size, m.num_experts, m.shared_expert_intermediate_size
+    if m.style == "granite":   # fused on disk already; shared MLP beside the experts
+        src = {ours + "shared_mlp.input_linear.weight": [(hf + "shared_mlp.input_linear.weight", 0, 2 * S)],
+               ours + "shared_mlp.output_linear.weight": [(hf + "shared_mlp.output_linear.weight", 0, H)]}
+        if E:
+            moe = hf + "block_sparse_moe."
+            src[ours + "block_sparse_moe.router.weight"] = [(moe + "router.layer.weight", 0, E)]
+            src[ours + "block_sparse_moe.experts.gate_up_proj"] = [(moe + "input_linear.weight", 0, E)]
+            src[ours + "block_sparse_moe.experts.down_proj"] = [(moe + "output_linear.weight", 0, E)]
+        return src
+    src = {ours + "gate.weight": [(hf + "gate.weight", 0, E)],
+           ours + "shared_expert_gate.weight": [(hf + "shared_expert_gate.weight", 0, 1)],
+           ours + "shared_expert.gate_proj.weight": [(hf + "shared_expert.gate_proj.weight", 0, S)],
+           ours + "shared_expert.up_proj.weight": [(hf + "shared_expert.up_proj.weight", 0, S)],
+           ours + "shared_expert.down_proj.weight": [(hf + "shared_expert.down_proj.weight", 0, H)]}
+    src[ours + "experts.gate_up_proj"] = [
+        (f"{hf}experts.{e}.{part}_proj.weight", e * 2 * I + k * I, I)
+        for e in range(E) for k, part in enumerate(("gate", "up"))]
+    src[ours + "experts.down_proj"] = [(f"{hf}experts.{e}.down_proj.weight", e * H, H) for e in range(E)]
+    return src

@@ -96,16 +96,33 @@ class MoESpec:
             and layer not in self.mlp_only_layers
 
 
+FFN_KINDS = ("mlp", "moe", "none")
+NO_MIXER = "none"
+
+
 @dataclass(slots=True)
 class LayersSpec:
+    """Per layer: its token mixer(s) and its feed-forward block.
+
+    A `pattern` / `kinds` entry is a layer kind (`full_attention`), `none` (no token mixer:
+    Nemotron-H's MLP-only and MoE-only layers) or kinds joined by `+`, which run in parallel
+    on the same normed input and are summed (Falcon-H1's `full_attention+mamba2`). `ffn` is a
+    pattern of `mlp`, `moe` or `none` (Nemotron-H's mixer-only layers), repeated to `num`;
+    unset, a layer is `moe` where the `moe:` section selects it and `mlp` elsewhere."""
     num: int
     pattern: list = field(default_factory=lambda: ["full_attention"])  # repeated to `num`
     kinds: list | None = None  # explicit per-layer list; overrides pattern
+    ffn: list | None = None
 
     def expand(self) -> list[str]:
         if self.kinds is not None:
             return list(self.kinds)
         return [self.pattern[i % len(self.pattern)] for i in range(self.num)]
+
+
+def mixers_of(entry: str) -> list[str]:
+    """The kinds of one `layers` entry: [] for `none`, the parts of a `+` parallel entry."""
+    return [] if entry == NO_MIXER else entry.split("+")
 
 
 @dataclass(slots=True)
@@ -185,6 +202,22 @@ class ModelSpec:
     @property
     def num_layers(self) -> int:
         return self.layers.num
+
+    def layer_mixers(self, layer: int) -> list[str]:
+        """The kinds of layer `layer`'s token mixers (none, one, or several in parallel)."""
+        return mixers_of(self.layer_kinds[layer])
+
+    def cache_layers(self) -> list[tuple[int, str]]:
+        """(layer, kind) of every token mixer in model order: the index in this list is the
+        mixer's cache id, which names its KV cache / state in the pool, its attention plan
+        and its state op (a layer with no mixer has none; a parallel layer has several)."""
+        return [(i, kind) for i in range(self.num_layers) for kind in self.layer_mixers(i)]
+
+    def ffn_kind(self, layer: int) -> str:
+        """`mlp`, `moe` or `none` for layer `layer`."""
+        if self.layers.ffn is not None:
+            return self.layers.ffn[layer % len(self.layers.ffn)]
+        return "moe" if self.moe is not None and self.moe.is_moe(layer) else "mlp"
 
     def weight_name(self, key: str) -> str:
         return self.weight_names.get(key, DEFAULT_WEIGHT_NAMES[key])
@@ -276,10 +309,33 @@ def _validate(spec: ModelSpec, fail) -> None:
         fail(kinds_field, "must name at least one layer kind")
     if lay.kinds is not None and len(lay.kinds) != lay.num:
         fail("layers.kinds", f"lists {len(lay.kinds)} layers but layers.num is {lay.num}")
-    for i, kind in enumerate(kinds):
-        if kind not in layer_kinds.KINDS:
-            hint = _suggest(kind, list(layer_kinds.KINDS))
-            fail(f"{kinds_field}[{i}]", f"unknown layer kind {kind!r}{hint}")
+    used: set[str] = set()
+    for i, entry in enumerate(kinds):
+        if not isinstance(entry, str):
+            fail(f"{kinds_field}[{i}]", f"expected a layer kind name, got {entry!r}")
+        parts = mixers_of(entry)
+        for kind in parts:
+            if kind not in layer_kinds.KINDS:
+                hint = _suggest(kind, list(layer_kinds.KINDS) + [NO_MIXER])
+                fail(f"{kinds_field}[{i}]", f"unknown layer kind {kind!r}{hint}")
+        attrs = [layer_kinds.KINDS[k].attr for k in parts]
+        if len(set(attrs)) != len(attrs):
+            fail(f"{kinds_field}[{i}]", f"{entry!r}: parallel mixers must be of different families "
+                                         f"(two would share the layer attribute {attrs[0]!r})")
+        used.update(parts)
+    if lay.ffn is not None:
+        if not lay.ffn:
+            fail("layers.ffn", "must name at least one feed-forward kind")
+        for i, f in enumerate(lay.ffn):
+            if f not in FFN_KINDS:
+                fail(f"layers.ffn[{i}]", f"{f!r} is not one of {', '.join(FFN_KINDS)}")
+        if "moe" in lay.ffn and spec.moe is None:
+            fail("layers.ffn", "moe layers need a 'moe:' section")
+    for i in range(lay.num):
+        if not spec.layer_mixers(i) and spec.ffn_kind(i) == "none":
+            fail(kinds_field, f"layer {i} has neither a token mixer nor a feed-forward block")
+        if spec.norm.sandwich and not (spec.layer_mixers(i) and spec.ffn_kind(i) != "none"):
+            fail("norm.sandwich", f"sandwich norms need a mixer and a feed-forward block in every layer (layer {i})")
     choices = [("mlp.activation", spec.mlp.activation, ACTIVATIONS),
                ("dtype", spec.dtype, DTYPES),
                ("checkpoint.source", spec.checkpoint.source, CHECKPOINT_SOURCES),
@@ -292,7 +348,7 @@ def _validate(spec: ModelSpec, fail) -> None:
         if value not in allowed:
             fail(where, f"{value!r} is not one of {', '.join(allowed)}")
     for kind in layer_kinds.KINDS.values():
-        if kind.name not in kinds:
+        if kind.name not in used:
             continue
         if kind.section_spec is not None and getattr(spec, kind.section) is None:
             fail(kind.section, f"layers of kind {kind.name} need a '{kind.section}:' section")
@@ -380,6 +436,7 @@ def load_spec(path: str | Path) -> ModelSpec:
 def spec_to_dict(spec: ModelSpec) -> dict:
     data = dataclasses.asdict(spec)
     data.pop("source_file")
-    if data["layers"]["kinds"] is None:
-        data["layers"].pop("kinds")
+    for key in ("kinds", "ffn"):
+        if data["layers"][key] is None:
+            data["layers"].pop(key)
     return data

@@ -46,9 +46,8 @@ class ModelRunner:
         self.batch = InputBatch(max_num_reqs, max_model_len, [kv_config.block_size] * len(kv_config.groups))
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.sampler = Sampler()
-        # State mixers by layer id: `zooinfer::state_update` finds its module here (see ForwardContext).
-        self.state_layers = {i: layer.mixer for i, layer in enumerate(model.layers)
-                             if getattr(layer, "mixer", None) is not None}
+        # State mixers by cache id: `zooinfer::state_update` finds its module here (see ForwardContext).
+        self.state_layers = model.state_mixers()
         self.compiled = compile
         if compile and compile_cache_dir is not None:
             # Inductor reads the variable when it first needs its cache, i.e. at the first compile.
