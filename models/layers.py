@@ -59,12 +59,14 @@ class RMSNorm(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm with a silu gate, in the two orders the HF state mixers use (the weight is
-    `weight`, ones at init, so HF state dicts load 1:1):
+    `weight`, ones at init, so HF state dicts load 1:1). Either order RMS-normalises each
+    group of `group_size` channels (None: all of them):
 
-    - `gate_first` (Mamba2 / Bamba `MambaRMSNormGated`): x * silu(gate), RMS-normalised over
-      each group of `group_size` channels (None: all of them), times weight; float32 out.
-    - otherwise (Qwen3-Next `Qwen3NextRMSNormGated`): RMS-normalised x times weight in x's
-      dtype, then times silu(gate); out in x's dtype."""
+    - `gate_first` (Mamba2 / Bamba `MambaRMSNormGated`, Falcon-H1 with mamba_norm_before_gate
+      false): x * silu(gate), normalised, times weight; float32 out.
+    - otherwise (Qwen3-Next `Qwen3NextRMSNormGated`, Falcon-H1 `FalconH1RMSNormGated` with
+      mamba_norm_before_gate): normalised x times weight in x's dtype, then times silu(gate);
+      out in x's dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, gate_first: bool = False):
         super().__init__()
@@ -73,18 +75,17 @@ class GatedRMSNorm(nn.Module):
         self.group_size = group_size
         self.gate_first = gate_first
 
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if self.group_size is not None:
+            x = x.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).view(shape)
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.gate_first:
-            x = x.float() * F.silu(gate.float())
-            shape = x.shape
-            if self.group_size is not None:
-                x = x.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight.float() * x.view(shape)
+            return self.weight.float() * self._normalise(x.float() * F.silu(gate.float()))
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.weight * x.to(dtype)
+        x = self.weight * self._normalise(x.float()).to(dtype)
         x = x * F.silu(gate.float())
         return x.to(dtype)
 
@@ -181,18 +182,25 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(gate(x)) * up(x))."""
+    """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(gate(x)) * up(x)); with `mlp.gated` false
+    the plain MLP down(act(up(x))) (Nemotron-H: relu2), which has `up_proj` and no gate."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         m = spec.mlp
         self.intermediate_size = m.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * m.intermediate_size, bias=m.bias)
+        self.gated = m.gated
+        if m.gated:
+            self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * m.intermediate_size, bias=m.bias)
+        else:
+            self.up_proj = nn.Linear(spec.hidden_size, m.intermediate_size, bias=m.bias)
         self.down_proj = nn.Linear(m.intermediate_size, spec.hidden_size, bias=m.bias)
         self.act = ACTIVATIONS[m.activation]
         self.activation = m.activation if m.activation in fused.ACTIVATIONS else None   # has a fused kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))
         gate_up = self.gate_up_proj(x)
         if self.activation is not None and fused.use_kernel(gate_up):
             return self.down_proj(fused.act_mul(gate_up, self.activation))

@@ -54,6 +54,7 @@ class MLPSpec:
     intermediate_size: int
     activation: str = "silu"   # silu -> SwiGLU, gelu_tanh -> GeGLU
     bias: bool = False
+    gated: bool = True         # false: down(act(up(x))), no gate_proj (Nemotron-H's relu2 MLP)
 
 
 @dataclass(slots=True)
@@ -192,6 +193,10 @@ class ModelSpec:
     eos_token_ids: list = field(default_factory=list)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     weight_names: dict = field(default_factory=dict)
+    # Constant factors folded into checkpoint tensors as they load (Falcon-H1's muP multipliers):
+    # tensor name (full, or relative to `layer` for every layer) -> a scale, or [[rows, scale], ...]
+    # per row segment (a fused projection whose parts have their own multipliers).
+    weight_scales: dict = field(default_factory=dict)
     tokenizer: str | None = None   # directory; defaults to the checkpoint directory
     source_file: str = ""          # set by the loader; never read from YAML
 
@@ -370,8 +375,22 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail(f"weight_names.{key}", f"unknown weight key; known: {', '.join(DEFAULT_WEIGHT_NAMES)}")
         if not isinstance(value, str):
             fail(f"weight_names.{key}", "expected a string")
+    for key, value in spec.weight_scales.items():
+        if not _is_scale(value):
+            fail(f"weight_scales.{key}", f"expected a number or a list of [rows, scale] pairs, got {value!r}")
     if not all(isinstance(t, int) for t in spec.eos_token_ids):
         fail("eos_token_ids", "expected a list of token ids")
+
+
+def _is_scale(value: Any) -> bool:
+    """A `weight_scales` value: a number, or [[rows > 0, number], ...]."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    if number(value):
+        return True
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+        and p[0] > 0 and number(p[1]) for p in value)
 
 
 def _merge(base: dict, over: dict) -> dict:
