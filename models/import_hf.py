@@ -130,10 +130,11 @@ family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        adjust=_granite_hybrid)
 # Nemotron-H: each layer is one of Mamba2, attention, MLP or MoE (hybrid_override_pattern
-# M * - E), normed by `norm` and held under `mixer`.
+# M * - E), normed by `norm` and held under `mixer`; checkpoints keep `backbone.` names.
 family("nemotron_h", layer_types={"linear_attention": "mamba2", "mlp": "none", "moe": "none"},
        ffn_types={"mlp": "mlp", "moe": "moe"},
-       weight_names={"embed": "model.embeddings.weight", "final_norm": "model.norm_f.weight",
+       weight_names={"embed": "backbone.embeddings.weight", "final_norm": "backbone.norm_f.weight",
+                     "layer": "backbone.layers.{i}.",
                      "input_norm": "norm.weight", "post_attn_norm": "norm.weight", "mamba2": "mixer",
                      "q": "mixer.q_proj", "k": "mixer.k_proj", "v": "mixer.v_proj", "o": "mixer.o_proj",
                      "up": "mixer.up_proj", "down": "mixer.down_proj", "moe": "mixer"},

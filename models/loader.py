@@ -115,7 +115,7 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
 
 @torch.no_grad()
 def fold_weight_scales(model: CausalLM) -> None:
-    """Multiply the loaded parameters by the spec's `weight_scales` (constant multipliers a
+    """Multiply the loaded (or seeded) parameters by the spec's `weight_scales` (constant multipliers a
     family applies to a projection's input or output, Falcon-H1's muP factors): the rows a
     named checkpoint tensor filled are scaled, as a whole or per [rows, scale] segment. A key
     matches a tensor name exactly or, relative to the per-layer prefix, in every layer; a key
@@ -170,4 +170,4 @@ def load_weights(model: CausalLM, spec: ModelSpec) -> None:
         init_dummy(model, spec.checkpoint.seed, spec.checkpoint.init_std)
     else:
         load_safetensors(model, path)
-        fold_weight_scales(model)
+    fold_weight_scales(model)
