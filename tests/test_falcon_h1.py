@@ -75,3 +75,21 @@ def test_weight_scales_matter(falcon, tmp_path):
     path = tmp_path / "unscaled.yaml"
     path.write_text(yaml.safe_dump(data))
     assert zoo_parity._generate(LLM(path), falcon.prompts) != falcon.ref
+
+
+@pytest.mark.parametrize("scales, message", [
+    ({"self_attn.kk_proj.weight": 2.0}, "weight_scales: no checkpoint tensor of the spec is named self_attn.kk_proj.weight"),
+    ({"mamba.in_proj.weight": [[64, 1.0]]},
+     "weight_scales.mamba.in_proj.weight: segments cover 64 rows, tensor 'model.layers.0.mamba.in_proj.weight' has 164"),
+])
+def test_weight_scales_errors(scales, message, tmp_path):
+    """A scale naming no tensor (a typo would silently do nothing) or segments that do not
+    cover the tensor fail in one line."""
+    from models import WeightError, load_spec
+    data = spec_to_dict(load_spec("zoo/falcon-h1-small.yaml"))
+    data["weight_scales"] = {**data["weight_scales"], **scales}
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(WeightError) as e:
+        LLM(path)
+    assert str(e.value) == f"{path}: {message}"
