@@ -301,7 +301,8 @@ class Engine:
                                       req.status.finish_reason, req.stop_reason)
         if finished:
             self._detok.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""
