@@ -32,7 +32,7 @@ def _text_format(v) -> bool:
 # Parameters of OpenAI's and vLLM's APIs that this engine does not honour yet, each with the
 # test for its no-op value. Set to anything else they are refused, never ignored.
 _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
-    "response_format": _text_format, "bad_words": _unset, "prompt_logprobs": _unset,
+    "response_format": _text_format, "prompt_logprobs": _unset,
     "use_beam_search": _unset, "length_penalty": _is(1, 1.0), "truncate_prompt_tokens": _unset,
     "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
     "guided_grammar": _unset, "guided_decoding_backend": _unset, "logits_processors": _unset,
@@ -84,6 +84,7 @@ class _Common(_Strict):
     logit_bias: dict[str, float] | None = None   # token id (as a JSON key) -> bias
     allowed_token_ids: list[int] | None = None   # extension
     return_token_ids: bool = False      # extension (vLLM): prompt_token_ids and token_ids in the response
+    bad_words: list[str] | None = None  # extension
     include_stop_str_in_output: bool = False  # extension
     skip_special_tokens: bool = True    # extension
     stream: bool = False
@@ -113,7 +114,7 @@ class _Common(_Strict):
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
-            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids)
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or [])
 
     def _logit_bias(self) -> dict[int, float] | None:
         """JSON object keys are strings: they must spell token ids."""
