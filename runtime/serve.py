@@ -79,6 +79,9 @@ class OpenAIServer:
         try:
             body.check()
             params = body.sampling_params(max_tokens, logprobs)
+            if params.structured_outputs is not None:   # compile on a worker thread, not the engine's
+                await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured_outputs,
+                                        body.structured_field)
         except ParamError as e:
             raise _bad_param(e) from None
         base = uuid.uuid4().hex
