@@ -193,6 +193,7 @@ class ModelSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     weight_names: dict = field(default_factory=dict)
     tokenizer: str | None = None   # directory; defaults to the checkpoint directory
+    tool_parser: str | None = None  # how the server finds tool calls in this model's text (e.g. hermes)
     source_file: str = ""          # set by the loader; never read from YAML
 
     @property
