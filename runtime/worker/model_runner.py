@@ -104,6 +104,7 @@ class ModelRunner:
                 item = s.dtype.itemsize
                 pages = typed[buf][:, offset // item: (offset + s.page_size_bytes) // item]
                 caches[layer] = pages.view(s.cache_shape(cfg.num_blocks))
+        self.kv_buffers = buffers           # the pool's bytes, buffer by buffer (tests, inspection)
         self._copy_spans = [[buffers[buf][:, :used] for buf, used in cfg.group_spans(gid)]
                             for gid in range(len(cfg.groups))]
         return caches
