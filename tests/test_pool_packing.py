@@ -309,3 +309,22 @@ def test_end_to_end_packed_model(tmp_path, narrow_kind, monkeypatch):
                         functools.partial(runtime.engine.make_kv_cache_config, pack=False))
     unpacked, out = _run(path, prompts, num_kv_blocks=400)
     assert len(unpacked.engine.kv_manager.config.groups) == 3 + 1 and out == ref
+
+
+def test_memory_bench_reports_padding_and_skips_unknown_kinds(tmp_path, narrow_kind, capsys):
+    """bench.memory runs over the given specs, reports packing for a mixed-page model, and
+    lists a spec it cannot load instead of crashing on it."""
+    from bench import memory
+    good, bad = tmp_path / "packed.yaml", tmp_path / "future.yaml"
+    good.write_text(YAML)
+    bad.write_text(YAML.replace("narrow_attention, mamba2", "narrow_attention, mla_attention"))
+    assert memory.main([str(good), str(bad), "--budget-gib", "0.001", "--lengths", "64", "100000"]) == 0
+    out = capsys.readouterr().out
+    assert ("packed: 8 cache layers; groups (groups x layers each): FullAttentionSpec 4096 B: 1x2, "
+            "FullAttentionSpec 2048 B: 1x4, StateSpec 3008 B state: 1x2; ") in out
+    assert "2 buffers x 130 blocks of 4096 B" in out         # int(0.001 GiB) // (2 * 4096) = 131, less the null block
+    assert "KV bytes/token: layers 1,024, pool 1,024 (unpacked 1,536)" in out
+    # 64 tokens: 4 + 4 blocks + 1 state page of 8192 B for 71552 B of layers (the state's page
+    # tail is the padding); unpacked the narrow layers take 8 blocks. Static: 128 tokens each.
+    assert "           64    3.0     32.8       14        7    2.0x" in out
+    assert "100000" not in out                                       # longer than max_model_len    assert "ran 1 of 2 specs: packed.yaml" in out and "skipped: future.yaml (SpecError" in out
