@@ -229,6 +229,16 @@ MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
 }
 
 
+def manager_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager of the nearest registered class in the spec's MRO: a new spec that keeps
+    every block (an MLA latent cache, a K-only cache) subclasses FullAttentionSpec, or one of
+    its own registers here."""
+    for cls in type(spec).__mro__:
+        if cls in MANAGER_FOR_SPEC:
+            return MANAGER_FOR_SPEC[cls]
+    raise TypeError(f"no KV cache manager for {type(spec).__name__}; add it to cache.manager.MANAGER_FOR_SPEC")
+
+
 class KVCacheManager:
     """Facade over the pool and one manager per KV cache group."""
 
@@ -236,7 +246,7 @@ class KVCacheManager:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks)
-        self.managers = [MANAGER_FOR_SPEC[type(g.spec)](g.spec, self.pool, gid)
+        self.managers = [manager_for(g.spec)(g.spec, self.pool, gid)
                          for gid, g in enumerate(config.groups)]
         self.enable_caching = enable_caching
         self.state_managers = [m for m in self.managers if isinstance(m, StateManager)]

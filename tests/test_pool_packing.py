@@ -328,3 +328,32 @@ def test_memory_bench_reports_padding_and_skips_unknown_kinds(tmp_path, narrow_k
     # tail is the padding); unpacked the narrow layers take 8 blocks. Static: 128 tokens each.
     assert "           64    3.0     32.8       14        7    2.0x" in out
     assert "100000" not in out                                       # longer than max_model_len    assert "ran 1 of 2 specs: packed.yaml" in out and "skipped: future.yaml (SpecError" in out
+
+
+def test_check_layout_rejects_overfull_groups():
+    """A group with more layers than its buffers' slots (or a state group wider than the
+    buffers) cannot map onto the shared buffers: said at sizing time, never silently shared."""
+    from cache.kv_cache_spec import KVCacheConfig, KVCacheGroup
+    from cache.pool_layout import check_layout
+    ok = KVCacheConfig(4, 16, [KVCacheGroup(full(32), [0]), KVCacheGroup(full(16), [1, 2])], 8192, 1)
+    check_layout(ok)
+    with pytest.raises(ValueError, match=r"KV cache group 1 \(FullAttentionSpec, 3 layers, page 4096 B\) "
+                                         r"does not fit 1 buffers of 8192-byte pool pages"):
+        check_layout(KVCacheConfig(4, 16, [KVCacheGroup(full(32), [0]), KVCacheGroup(full(16), [1, 2, 3])], 8192, 1))
+    state = dataclasses.replace(STATE, pool_page_bytes=8192)
+    with pytest.raises(ValueError, match="KV cache group 1 \\(StateSpec, 2 layers"):
+        check_layout(KVCacheConfig(4, 16, [KVCacheGroup(full(32), [0]), KVCacheGroup(state, [1, 2])], 8192, 1))
+
+
+def test_a_latent_group_gets_a_manager_and_a_pool():
+    """A spec outside the registry's classes (LatentSpec keeps every block, like full
+    attention) is refused with a clear error; a FullAttentionSpec subclass is managed as one."""
+    from cache.manager import FullAttentionManager, KVCacheManager, manager_for
+
+    @dataclass(frozen=True, slots=True)
+    class KeptLatent(FullAttentionSpec):
+        pass
+
+    assert manager_for(KeptLatent(16, 1, 8, torch.float32)) is FullAttentionManager
+    with pytest.raises(TypeError, match="no KV cache manager for LatentSpec"):
+        KVCacheManager(make_kv_cache_config({0: full(32), 1: LATENT}, 16, num_blocks=4))
