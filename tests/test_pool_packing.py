@@ -311,6 +311,19 @@ def test_end_to_end_packed_model(tmp_path, narrow_kind, monkeypatch):
     assert len(unpacked.engine.kv_manager.config.groups) == 3 + 1 and out == ref
 
 
+
+@pytest.mark.slow
+def test_compiled_packed_model(tmp_path, narrow_kind):
+    """torch.compile takes the packed caches (strided views of shared buffers as aliased,
+    mutated graph inputs) and gives the eager tokens. Slow: a cold compile (~3 min on 2 CPUs)."""
+    path = tmp_path / "packed.yaml"
+    path.write_text(YAML)
+    prompts = [{"prompt_token_ids": list(range(5, 45)) + [50 + i] * (3 + 7 * i)} for i in range(3)]
+    _, ref = _run(path, prompts, num_kv_blocks=100)
+    llm, out = _run(path, prompts, num_kv_blocks=100, compile=True, max_num_batched_tokens=12,
+                    compile_cache_dir=str(tmp_path / "inductor"))
+    assert not llm.engine.runner.kv_caches[5].is_contiguous() and out == ref
+
 def test_memory_bench_reports_padding_and_skips_unknown_kinds(tmp_path, narrow_kind, capsys):
     """bench.memory runs over the given specs, reports packing for a mixed-page model, and
     lists a spec it cannot load instead of crashing on it."""
