@@ -81,6 +81,37 @@ family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        adjust=_granite_hybrid)
 
+
+def lfm2_intermediate_size(cfg: dict) -> int:
+    """LFM2's real MLP width, as HF's Lfm2MLP computes it from the config: with
+    block_auto_adjust_ff_dim, 2/3 of intermediate_size, times block_ffn_dim_multiplier and
+    rounded up to block_multiple_of when a multiplier is set."""
+    size = cfg["intermediate_size"]
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = cfg.get("block_multiple_of", 256)
+            size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    return size
+
+
+def _lfm2(cfg: dict, spec: dict) -> None:
+    """LFM2: `norm_eps`, the adjusted MLP width."""
+    spec["norm"]["eps"] = float(cfg.get("norm_eps", 1e-5))
+    spec["mlp"]["intermediate_size"] = lfm2_intermediate_size(cfg)
+
+
+# LFM2: short_conv layers ("conv") and full attention with per-head q/k norms; its own
+# checkpoint names (operator_norm / ffn_norm, feed_forward.w1/w3/w2, out_proj, the final norm
+# called embedding_norm); tied embeddings come from config.json.
+family("lfm2", qk_norm=True, adjust=_lfm2,
+       weight_names={"final_norm": "model.embedding_norm.weight", "input_norm": "operator_norm.weight",
+                     "post_attn_norm": "ffn_norm.weight", "o": "self_attn.out_proj",
+                     "q_norm": "self_attn.q_layernorm.weight", "k_norm": "self_attn.k_layernorm.weight",
+                     "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"})
+
+
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.
 _UNSUPPORTED = {
