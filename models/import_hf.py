@@ -111,6 +111,9 @@ family("lfm2", qk_norm=True, adjust=_lfm2,
                      "q_norm": "self_attn.q_layernorm.weight", "k_norm": "self_attn.k_layernorm.weight",
                      "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"})
 
+# SmolLM3: Llama-style, every layer flagged 0 in `no_rope_layers` is NoPE (read for any family).
+family("smollm3")
+
 
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.
@@ -155,6 +158,22 @@ def _layer_kinds(cfg: dict, traits: dict, where: Path) -> list[str]:
     return ["sliding_attention" if windowed else "full_attention"] * num_layers
 
 
+def _no_rope(cfg: dict, kinds: list[str], where: Path) -> list[str]:
+    """`no_rope_layers` (SmolLM3, Llama 4): a 0 at layer i makes its attention kind the `_nope`
+    twin (no rotary), a 1 keeps rope."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        return kinds
+    if len(flags) < len(kinds):
+        raise SpecError(f"{where}: no_rope_layers: lists {len(flags)} layers but num_hidden_layers is {len(kinds)}")
+    out = []
+    for i, (kind, rope) in enumerate(zip(kinds, flags)):
+        if not rope and kind + "_nope" not in KINDS:
+            raise SpecError(f"{where}: no_rope_layers[{i}]: layer {i} is {kind!r}, which has no NoPE variant")
+        out.append(kind if rope else kind + "_nope")
+    return out
+
+
 def _eos(cfg: dict, hf_dir: Path) -> list[int]:
     """eos_token_id of config.json, then generation_config.json's extra ones."""
     eos = cfg.get("eos_token_id")
@@ -176,7 +195,7 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     for key, harmless in _UNSUPPORTED.items():
         if cfg.get(key) not in harmless:
             raise SpecError(f"{where}: {key}: {cfg[key]!r}: this mechanism is not supported yet")
-    kinds = _layer_kinds(cfg, traits, where)
+    kinds = _no_rope(cfg, _layer_kinds(cfg, traits, where), where)
     rope_params = cfg.get("rope_parameters") or {}
     per_kind = isinstance(rope_params.get("full_attention"), dict)
     heads = cfg["num_attention_heads"]

@@ -133,7 +133,9 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.rotary_dim and fused.use_kernel(q, k, self.cos):
+        if not self.rotary_dim:    # rope type none (NoPE layers, Granite 4.0-H): no table lookup
+            return q, k
+        if fused.use_kernel(q, k, self.cos):
             return fused.rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)   # [tokens, 1, rotary_dim/2]
         sin = self.sin[positions].unsqueeze(1)

@@ -13,6 +13,7 @@ from models.kinds.base import Fail, LayerKind, Sources, linear_sources, state_ki
 KINDS: dict[str, LayerKind] = {k.name: k for k in (
     attention.FULL,
     attention.SLIDING,
+    attention.FULL_NOPE, attention.SLIDING_NOPE,
     mamba2.KIND,
     gated_deltanet.KIND,
     short_conv.KIND,
