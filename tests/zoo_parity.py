@@ -98,9 +98,9 @@ def _staggered(llm: LLM, prompts) -> list[list[int]]:
     return [done[r.request_id] for r in reqs]
 
 
-def _preempt_blocks(ref: Reference, max_model_len: int, chunk: int) -> int:
+def tight_pool_blocks(path, max_model_len: int, chunk: int) -> int:
     """The smallest pool that holds one request of `max_model_len` tokens, plus 2 blocks."""
-    probe = LLM(ref.path, max_model_len=max_model_len, max_num_batched_tokens=chunk, num_kv_blocks=4096)
+    probe = LLM(path, max_model_len=max_model_len, max_num_batched_tokens=chunk, num_kv_blocks=4096)
     groups = probe.engine.kv_manager.config.groups
     return sum(g.spec.max_live_blocks(max_model_len, chunk) for g in groups) + 1 + 2
 
@@ -116,7 +116,7 @@ def check_regime(ref: Reference, regime: str, *, expect_hits: dict[int, int] | N
         assert _generate(llm, ref.prompts) == ref.ref
     elif regime == "preempt":
         max_len, chunk = max(LENGTHS) + NEW + 8, 16
-        blocks = preempt_blocks or _preempt_blocks(ref, max_len, chunk)
+        blocks = preempt_blocks or tight_pool_blocks(ref.path, max_len, chunk)
         llm = LLM(ref.path, num_kv_blocks=blocks, max_model_len=max_len, max_num_batched_tokens=chunk,
                   **engine_kwargs)
         assert _generate(llm, ref.prompts) == ref.ref
