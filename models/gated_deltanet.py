@@ -23,6 +23,7 @@ each multi-token request (a prefill chunk) runs the chunked gated delta rule (HF
 final states are written back to its slot.
 
 Parameter names and shapes equal HF's `Qwen3NextGatedDeltaNet`, so its state_dict loads 1:1.
+`SeparateGatedDeltaNet` is OLMo-Hybrid's variant: other input projections, the same rest.
 """
 from __future__ import annotations
 
@@ -105,11 +106,12 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 class GatedDeltaNet(nn.Module):
     """Qwen3-Next linear-attention layer; arguments mirror HF config fields:
     hidden_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
-    linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act."""
+    linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act (and OLMo-Hybrid's
+    linear_allow_neg_eigval: beta = 2 * sigmoid(b))."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
-                 hidden_act: str = "silu"):
+                 hidden_act: str = "silu", allow_neg_eigval: bool = False):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
@@ -127,11 +129,11 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.activation = hidden_act
         self.act = act
+        self.beta_scale = 2.0 if allow_neg_eigval else 1.0   # beta in [0, 2]: negative eigenvalues
 
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=conv_kernel_size, bias=False,
                                 groups=self.conv_dim, padding=conv_kernel_size - 1)
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self._make_projections()
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
         self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
@@ -152,6 +154,16 @@ class GatedDeltaNet(nn.Module):
                 "recurrent": (self.num_v_heads, self.head_k_dim, self.head_v_dim)}
 
     # ---- projections -------------------------------------------------------------------------
+
+    def _make_projections(self) -> None:
+        """HF's two fused input projections: per key head [q | k | v | z], then [b | a]."""
+        self.in_proj_qkvz = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(self.hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Our parameter -> [(checkpoint name relative to the layer's prefix, row offset, rows)]:
+        HF's Qwen3NextGatedDeltaNet names, 1:1."""
+        return {name: [(name, 0, p.shape[0])] for name, p in self.named_parameters()}
 
     def _project(self, hidden: torch.Tensor):
         """-> mixed_qkv [T, conv_dim] (q|k|v, heads in order), z [T, Hv, dv], b, a [T, Hv]."""
@@ -180,7 +192,7 @@ class GatedDeltaNet(nn.Module):
         if r > 1:  # each q/k head serves r consecutive value heads
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         v = v.float().view(N, self.num_v_heads, self.head_v_dim)
-        beta = b.float().sigmoid()
+        beta = b.float().sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 
@@ -272,3 +284,38 @@ class GatedDeltaNet(nn.Module):
                 core[s:e] = self._prefill_one(conv_out[s:e], b[s:e], a[s:e], recurrent_state,
                                               meta.slots[i:i + 1], meta.has_initial_state[i:i + 1])
         return core
+
+
+class SeparateGatedDeltaNet(GatedDeltaNet):
+    """OLMo-Hybrid's Gated DeltaNet (HF `OlmoHybridGatedDeltaNet`): the same conv and delta
+    rule, but q, k, v, the output gate, b and a come from separate projections of the layer
+    input, each head-major (all q heads, then all k heads, ...; no per-key-head interleave).
+    They run here as one fused `in_proj`, filled from the checkpoint's q_proj, k_proj, v_proj,
+    g_proj, b_proj and a_proj; its q_conv1d, k_conv1d and v_conv1d fill our one conv1d (HF
+    concatenates them on load), its o_proj and o_norm are our out_proj and norm."""
+
+    def _make_projections(self) -> None:
+        self.in_proj = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim + 2 * self.num_v_heads,
+                                 bias=False)
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        src = super().checkpoint_sources()          # dt_bias and A_log keep their names
+        rows = {"q_proj": self.key_dim, "k_proj": self.key_dim, "v_proj": self.value_dim,
+                "g_proj": self.value_dim, "b_proj": self.num_v_heads, "a_proj": self.num_v_heads}
+        parts, offset = [], 0
+        for name, n in rows.items():
+            parts.append((f"{name}.weight", offset, n))
+            offset += n
+        src["in_proj.weight"] = parts
+        # the conv as three (OLMo-core's layout), sized by the file: HF's save_pretrained
+        # re-splits the q|k|v channels into equal thirds, OLMo-core's are key, key, value
+        src["conv1d.weight"] = [(f"{n}_conv1d.weight", None, None) for n in "qkv"]
+        src["out_proj.weight"] = [("o_proj.weight", 0, self.hidden_size)]
+        src["norm.weight"] = [("o_norm.weight", 0, self.head_v_dim)]
+        return src
+
+    def _project(self, hidden: torch.Tensor):
+        """-> mixed_qkv [T, conv_dim] (q|k|v), z [T, Hv, dv], b, a [T, Hv]."""
+        T, Hv = hidden.shape[0], self.num_v_heads
+        mixed_qkv, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.value_dim, Hv, Hv], dim=-1)
+        return mixed_qkv, z.reshape(T, Hv, self.head_v_dim), b, a

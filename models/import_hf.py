@@ -115,6 +115,25 @@ family("lfm2", qk_norm=True, adjust=_lfm2,
 family("smollm3")
 
 
+
+def _olmo_hybrid(cfg: dict, spec: dict) -> None:
+    """OLMo-Hybrid: its attention layers are OLMo 3's (post norms, q/k norms over all heads),
+    its linear-attention layers pre-norm Gated DeltaNet with separate projections and the
+    output norm's eps fixed at FLA's 1e-5."""
+    kinds = spec["layers"].get("kinds") or spec["layers"]["pattern"]
+    spec["layers"]["norm_position"] = ["post" if k == "full_attention" else "pre" for k in kinds]
+    spec["attention"].update(qk_norm=True, qk_norm_all_heads=True)
+    spec["gated_deltanet"].update(layout="separate", norm_eps=1e-5)
+
+
+# OLMo-Hybrid: gated DeltaNet (pre-norm) and OLMo 3 attention (post-norm) layers; the
+# checkpoint keeps OLMo-core's norm names (HF renames them on load): attention_layer_norm is
+# the linear layers' input norm, feedforward_layer_norm their pre-MLP norm and the attention
+# layers' post-attention norm.
+family("olmo_hybrid", adjust=_olmo_hybrid,
+       weight_names={"input_norm": "attention_layer_norm.weight", "post_attn_norm": "feedforward_layer_norm.weight"})
+
+
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.
 _UNSUPPORTED = {
@@ -127,7 +146,9 @@ _UNSUPPORTED = {
 def _rope(cfg: dict, params: dict | None = None) -> dict:
     if params is None:
         params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = params["rope_theta"] if "rope_theta" in params else cfg.get("rope_theta", 10000.0)
+    if theta is None:     # OLMo-Hybrid's released checkpoints: rope_theta null means no rope
+        return {"type": "none"}
     rope = {"theta": float(theta), "type": params.get("rope_type", params.get("type", "default"))}
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf is not None:
