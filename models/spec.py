@@ -333,20 +333,17 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail(f"{kinds_field}[{i}]", f"{entry!r}: parallel mixers must be of different families "
                                          f"(two would share the layer attribute {attrs[0]!r})")
         used.update(parts)
-    if lay.ffn is not None:
-        if not lay.ffn:
-            fail("layers.ffn", "must name at least one feed-forward kind")
-        for i, f in enumerate(lay.ffn):
-            if f not in FFN_KINDS:
-                fail(f"layers.ffn[{i}]", f"{f!r} is not one of {', '.join(FFN_KINDS)}")
-        if "moe" in lay.ffn and spec.moe is None:
-            fail("layers.ffn", "moe layers need a 'moe:' section")
-    if lay.norm_position is not None:
-        if not lay.norm_position:
-            fail("layers.norm_position", "must name at least one of pre, post")
-        for i, p in enumerate(lay.norm_position):
-            if p not in NORM_POSITIONS:
-                fail(f"layers.norm_position[{i}]", f"{p!r} is not one of {', '.join(NORM_POSITIONS)}")
+    for where, values, allowed in (("layers.ffn", lay.ffn, FFN_KINDS),
+                                   ("layers.norm_position", lay.norm_position, NORM_POSITIONS)):
+        if values is None:
+            continue
+        if not values:
+            fail(where, f"must name at least one of {', '.join(allowed)}")
+        for i, value in enumerate(values):
+            if value not in allowed:
+                fail(f"{where}[{i}]", f"{value!r} is not one of {', '.join(allowed)}")
+    if lay.ffn is not None and "moe" in lay.ffn and spec.moe is None:
+        fail("layers.ffn", "moe layers need a 'moe:' section")
     for i in range(lay.num):
         if spec.post_norm(i) and (spec.norm.sandwich or not (spec.layer_mixers(i) and spec.ffn_kind(i) != "none")):
             fail("layers.norm_position", f"post norms need a mixer and a feed-forward block and no sandwich norms "
