@@ -108,11 +108,19 @@ def test_largest_seed_with_n_wraps_instead_of_overflowing(http):
 # Parameters that were accepted with a 200 and ignored.
 IGNORED = [
     ("completions", {"prompt": "hi", "suffix": " the end"}, "suffix"),
-    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 2}, "echo"),
+    ("chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
-    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("chat/completions", {"messages": CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "frob": 1}}}, "response_format"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"json": {"type": "object"}, "regex": "a"}},
+     "structured_outputs"),
+    ("completions", {"prompt": "hi", "guided_regex": "(", "guided_choice": ["a"]}, "guided_regex"),
+    ("completions", {"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("completions", {"prompt": "hi", "guided_json": {"type": "object", "properties": {"a": {"type": "frob"}}}},
+     "guided_json"),
     ("chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),

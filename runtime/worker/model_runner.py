@@ -222,9 +222,10 @@ class ModelRunner:
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput({}, None)
-        meta = self._sampling_metadata(sample_rows)
+        meta = self._sampling_metadata(sample_rows, so.grammar_bitmask)
         hidden = hidden[logits_index]
-        if meta.all_greedy and meta.banned is None and meta.edits is None and meta.max_logprobs is None:
+        if meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
+                and meta.max_logprobs is None:
             # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
             out = SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
         else:
@@ -240,7 +241,7 @@ class ModelRunner:
         sampled = dict(zip(req_ids, tokens.tolist()))
         return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, grammar_bitmask=None) -> SamplingMetadata:
         b = self.batch
         temperature = b.temperature[rows]
         all_greedy = not temperature.any()
@@ -257,6 +258,13 @@ class ModelRunner:
                                 min_p=None, generators={}, all_greedy=all_greedy, banned=banned,
                                 max_logprobs=None if k < 0 else k,
                                 edits=LogitsEdits.build(b, rows, self.model.spec.vocab_size, self.device))
+        if grammar_bitmask is not None:       # structured outputs: bitmask row i is request ids[i]'s
+            ids, mask = grammar_bitmask
+            pos = {b.req_ids[r]: i for i, r in enumerate(rows.tolist())}
+            keep = [(pos[rid], j) for j, rid in enumerate(ids) if rid in pos]
+            if keep:
+                where, which = zip(*keep)
+                meta.grammar = (torch.tensor(where, device=self.device), mask[list(which)].to(self.device))
         if not all_greedy:   # the filters only matter to sampled rows
             top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
             meta.top_k = torch.from_numpy(top_k).to(self.device) if top_k.any() else None
