@@ -126,8 +126,12 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torc
         if isinstance(module, RotaryEmbedding):
             cos, sin = module.tables()
             module.cos, module.sin = cos.to(device), sin.to(device)
+    # A module may name params that stay float32 (`fp32_params`: an MoE router's selection bias).
+    keep = {id(p) for m in model.modules() for n in getattr(m, "fp32_params", ())
+            if (p := getattr(m, n, None)) is not None}
     for p in model.parameters():
-        p.data = p.data.to(dtype)
+        if id(p) not in keep:
+            p.data = p.data.to(dtype)
     if spec.tie_word_embeddings:   # to_empty() gives each module its own storage: re-tie
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()

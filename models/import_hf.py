@@ -23,6 +23,9 @@ _FAMILIES = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    # Qwen3-MoE: Qwen3 attention, softmax top-k MoE (no shared expert) on the layers that
+    # decoder_sparse_step / mlp_only_layers pick, dense MLPs elsewhere.
+    "qwen3_moe": {"qk_norm": True, "moe": {}},
     # Gemma 3 text: (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, q/k norms,
     # 5 sliding : 1 full layers with a local rope.
     "gemma3_text": {"qk_norm": True, "gemma": True},
@@ -30,12 +33,48 @@ _FAMILIES = {
     "bamba": {"non_attn_layers": "mamba2"},
     # Qwen3-Next: gated DeltaNet layers, every n-th layer gated full attention, MoE MLPs,
     # (1 + w) norms, partial rotary.
-    "qwen3_next": {"qk_norm": True, "offset_norm": True},
+    "qwen3_next": {"qk_norm": True, "offset_norm": True, "moe": {}},
     # Granite-4.0-H: mamba2 + attention layers, MoE or dense shared MLP, muP-style multipliers.
-    "granitemoehybrid": {"layer_types": {"linear_attention": "mamba2"}},
+    "granitemoehybrid": {"layer_types": {"linear_attention": "mamba2"}, "moe": {"style": "granite"}},
 }
 _BAMBA_NAMES = {"final_norm": "model.final_layernorm.weight", "post_attn_norm": "pre_ff_layernorm.weight",
                 "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj", "down": "feed_forward.down_proj"}
+
+
+def moe_from_hf(cfg: dict, fixed: dict | None = None) -> dict | None:
+    """The `moe:` section from an HF config's MoE fields, read under the spellings families use
+    (num_experts / num_local_experts / n_routed_experts, moe_intermediate_size, shared sizes,
+    n_group, routed_scaling_factor, ...). `fixed`: the family's traits config.json does not
+    spell out (scoring, selection bias, expert activation, style); they win."""
+    def first(*keys, default=None):
+        return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
+
+    moe_inter = first("moe_intermediate_size", "intermediate_size")
+    shared = first("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+                   "shared_intermediate_size")
+    if shared is None:
+        shared = (cfg.get("n_shared_experts") or 0) * (moe_inter or 0)
+    moe = {"num_experts": first("num_experts", "num_local_experts", "n_routed_experts", default=0),
+           "num_experts_per_tok": first("num_experts_per_tok", default=0),
+           "intermediate_size": moe_inter,
+           "shared_expert_intermediate_size": shared,
+           "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+           "decoder_sparse_step": cfg.get("decoder_sparse_step") or 1,
+           "mlp_only_layers": list(cfg.get("mlp_only_layers") or []),
+           "n_group": cfg.get("n_group") or 1,
+           "topk_group": cfg.get("topk_group") or 1,
+           "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0)}
+    if cfg.get("moe_latent_size"):
+        moe["latent_size"] = cfg["moe_latent_size"]
+    for key in ("swiglu_alpha", "swiglu_limit"):
+        if cfg.get(key) is not None:
+            moe[key] = float(cfg[key])
+    moe.update(fixed or {})
+    # no routed experts: a dense MLP, except where the style makes every layer this block
+    # (granite: then just the shared MLP)
+    if not moe["num_experts"] and (moe.get("style") != "granite" or not moe["shared_expert_intermediate_size"]):
+        return None
+    return moe
 
 
 def _rope(cfg: dict, params: dict | None = None) -> dict:
@@ -135,19 +174,10 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         if cfg.get("position_embedding_type") != "rope":
             spec["rope"]["type"] = "none"
         spec["mlp"]["intermediate_size"] = cfg["shared_intermediate_size"]
-        spec["moe"] = {"style": "granite", "num_experts": cfg.get("num_local_experts") or 0,
-                       "num_experts_per_tok": cfg.get("num_experts_per_tok") or 0,
-                       "intermediate_size": cfg["intermediate_size"],
-                       "shared_expert_intermediate_size": cfg["shared_intermediate_size"]}
     if model_type == "qwen3_next":
         spec["attention"]["output_gate"] = True
-        if cfg.get("num_experts", 0) > 0:
-            spec["moe"] = {"num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
-                           "intermediate_size": cfg["moe_intermediate_size"],
-                           "shared_expert_intermediate_size": cfg["shared_expert_intermediate_size"],
-                           "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-                           "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
-                           "mlp_only_layers": list(cfg.get("mlp_only_layers") or [])}
+    if "moe" in traits and (moe := moe_from_hf(cfg, traits["moe"])) is not None:
+        spec["moe"] = moe
     return spec
 
 

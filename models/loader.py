@@ -25,6 +25,33 @@ class WeightError(ValueError):
 # Checkpoint tensors that carry nothing we use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+# Layout changes a weight source may ask for (a 4th entry: names applied left to right), for
+# checkpoints that store a tensor otherwise than our param: GPT-OSS's experts are [E, in, out]
+# with gate and up columns alternating.
+TRANSFORMS = {
+    "transpose": lambda t: t.transpose(-1, -2),                          # [.., a, b] -> [.., b, a]
+    "deinterleave": lambda t: torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1),   # a0 b0 a1 b1 -> a0 a1 b0 b1
+}
+
+
+def apply_transforms(tensor: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
+    for name in names:
+        tensor = TRANSFORMS[name](tensor)
+    return tensor
+
+
+def copy_source(param: torch.Tensor, tensor: torch.Tensor, offset: int, rows: int,
+                transforms: tuple[str, ...] = (), where: str = "") -> None:
+    """Copy one checkpoint tensor (after its transforms) into rows [offset, offset + rows) of
+    `param`; a tensor with one dim fewer fills a fused [E, r, c] param viewed as [E * r, c]."""
+    tensor = apply_transforms(tensor, transforms)
+    if tensor.dim() == param.dim() - 1:
+        param = param.view(-1, *param.shape[2:])
+    expected = (rows, *param.shape[1:])
+    if tuple(tensor.shape) != expected:
+        raise WeightError(f"{where or 'tensor '}has shape {list(tensor.shape)}, the spec expects {list(expected)}")
+    param[offset: offset + rows].copy_(tensor)
+
 
 def checkpoint_dir(spec: ModelSpec) -> Path | None:
     """Directory holding the spec's safetensors (None for dummy weights)."""
@@ -79,10 +106,10 @@ def _fmt(names: list[str], limit: int = 5) -> str:
 @torch.no_grad()
 def load_safetensors(model: CausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
-    targets: dict[str, tuple[str, int, int]] = {}
+    targets: dict[str, tuple] = {}
     for param, parts in model.weight_sources().items():
-        for ckpt_name, offset, rows in parts:
-            targets[ckpt_name] = (param, offset, rows)
+        for ckpt_name, offset, rows, *transforms in parts:
+            targets[ckpt_name] = (param, offset, rows, tuple(transforms[0]) if transforms else ())
     seen: set[str] = set()
     unexpected: list[str] = []
     tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
@@ -93,16 +120,9 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
                     if name != tied_head and not name.endswith(_IGNORED_SUFFIXES):
                         unexpected.append(name)
                     continue
-                param_name, offset, rows = targets[name]
-                param = params[param_name]
+                param_name, offset, rows, transforms = targets[name]
                 tensor = f.get_tensor(name)   # a read past a truncated file raises in _open
-                if tensor.dim() == param.dim() - 1:   # fused experts [E, r, c] filled as [E * r, c]
-                    param = param.view(-1, *param.shape[2:])
-                expected = (rows, *param.shape[1:])
-                if tuple(tensor.shape) != expected:
-                    raise WeightError(f"{file}: tensor '{name}' has shape {list(tensor.shape)}, "
-                                      f"the spec expects {list(expected)}")
-                param[offset: offset + rows].copy_(tensor)
+                copy_source(params[param_name], tensor, offset, rows, transforms, f"{file}: tensor '{name}' ")
                 seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
