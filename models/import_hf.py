@@ -53,15 +53,15 @@ def moe_from_hf(cfg: dict, fixed: dict | None = None) -> dict | None:
     shared = first("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
                    "shared_intermediate_size")
     if shared is None:
-        shared = (cfg.get("n_shared_experts") or 0) * (moe_inter or 0)
+        shared = first("n_shared_experts", "num_shared_experts", default=0) * (moe_inter or 0)
     moe = {"num_experts": first("num_experts", "num_local_experts", "n_routed_experts", default=0),
-           "num_experts_per_tok": first("num_experts_per_tok", default=0),
+           "num_experts_per_tok": first("num_experts_per_tok", "num_experts_per_token", default=0),
            "intermediate_size": moe_inter,
            "shared_expert_intermediate_size": shared,
-           "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+           "norm_topk_prob": bool(first("norm_topk_prob", "moe_renormalize", default=True)),
            "decoder_sparse_step": cfg.get("decoder_sparse_step") or 1,
            "mlp_only_layers": list(cfg.get("mlp_only_layers") or []),
-           "n_group": cfg.get("n_group") or 1,
+           "n_group": first("n_group", "num_expert_group", default=1),
            "topk_group": cfg.get("topk_group") or 1,
            "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0)}
     if cfg.get("moe_latent_size"):

@@ -104,21 +104,21 @@ def _fmt(names: list[str], limit: int = 5) -> str:
 
 
 @torch.no_grad()
-def load_safetensors(model: CausalLM, path: Path) -> None:
-    params = dict(model.named_parameters())
+def fill_from_safetensors(params: dict[str, torch.Tensor], sources: dict[str, list[tuple]], path: Path) -> list[str]:
+    """Fill `params` from the safetensors under `path` as `sources` says (param name ->
+    [(checkpoint tensor, row offset, rows[, transforms])]). Raises on a missing tensor or a
+    wrong shape; returns the checkpoint tensors no source named."""
     targets: dict[str, tuple] = {}
-    for param, parts in model.weight_sources().items():
+    for param, parts in sources.items():
         for ckpt_name, offset, rows, *transforms in parts:
             targets[ckpt_name] = (param, offset, rows, tuple(transforms[0]) if transforms else ())
     seen: set[str] = set()
-    unexpected: list[str] = []
-    tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
+    unused: list[str] = []
     for file in _safetensors_files(path):
         with _open(file) as f:
             for name in f.keys():
                 if name not in targets:
-                    if name != tied_head and not name.endswith(_IGNORED_SUFFIXES):
-                        unexpected.append(name)
+                    unused.append(name)
                     continue
                 param_name, offset, rows, transforms = targets[name]
                 tensor = f.get_tensor(name)   # a read past a truncated file raises in _open
@@ -127,6 +127,13 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
     missing = sorted(set(targets) - seen)
     if missing:
         raise WeightError(f"{path}: missing tensors: {_fmt(missing)}")
+    return unused
+
+
+def load_safetensors(model: CausalLM, path: Path) -> None:
+    unused = fill_from_safetensors(dict(model.named_parameters()), model.weight_sources(), path)
+    tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
+    unexpected = [n for n in unused if n != tied_head and not n.endswith(_IGNORED_SUFFIXES)]
     if unexpected:
         raise WeightError(f"{path}: unexpected tensors (not in the spec): {_fmt(sorted(unexpected))}")
 
