@@ -15,30 +15,75 @@ import yaml
 
 from models.activations import HF_NAMES
 from models.kinds import KINDS, from_hf_layer_type
-from models.spec import DTYPES, ModelSpec, SpecError, spec_from_dict, spec_to_dict
+from models.spec import DTYPES, ModelSpec, SpecError, mixers_of, spec_from_dict, spec_to_dict
 
-# model_type -> family traits that config.json does not spell out.
-_FAMILIES = {
-    "llama": {},
-    "mistral": {},
-    "qwen2": {"qkv_bias": True},
-    "qwen3": {"qk_norm": True},
-    # Qwen3-MoE: Qwen3 attention, softmax top-k MoE (no shared expert) on the layers that
-    # decoder_sparse_step / mlp_only_layers pick, dense MLPs elsewhere.
-    "qwen3_moe": {"qk_norm": True, "moe": {}},
-    # Gemma 3 text: (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, q/k norms,
-    # 5 sliding : 1 full layers with a local rope.
-    "gemma3_text": {"qk_norm": True, "gemma": True},
-    # Bamba: mamba2 layers with a few full-attention layers (attn_layer_indices).
-    "bamba": {"non_attn_layers": "mamba2"},
-    # Qwen3-Next: gated DeltaNet layers, every n-th layer gated full attention, MoE MLPs,
-    # (1 + w) norms, partial rotary.
-    "qwen3_next": {"qk_norm": True, "offset_norm": True, "moe": {}},
-    # Granite-4.0-H: mamba2 + attention layers, MoE or dense shared MLP, muP-style multipliers.
-    "granitemoehybrid": {"layer_types": {"linear_attention": "mamba2"}, "moe": {"style": "granite"}},
+# model_type -> what config.json does not spell out for that family. Every other field is
+# read by name, the same way for every family (`spec_dict_from_hf_config`), and each layer
+# kind present reads its own (`LayerKind.import_hf`). Traits:
+#   qk_norm, qkv_bias, offset_norm (norms multiply by 1 + w), gemma (Gemma norms, scales),
+#   layer_types ({HF layer type: our kind} spellings beyond the kinds' own), non_attn_layers
+#   (the kind of layers not in `attn_layer_indices`), weight_names (checkpoint names that
+#   differ from Llama's), moe (MoE fields config.json does not spell out: scoring, selection
+#   bias, expert activation, style; see `moe_from_hf`), adjust (fn(cfg, spec dict): a family's
+#   own config fields).
+# A model_type not listed here is read with no traits: a family built only of mechanisms
+# the zoo has loads as it is; a config field naming a mechanism we lack fails in one line.
+_FAMILIES: dict[str, dict] = {}
+
+
+def family(model_type: str, **traits) -> None:
+    """Declare `model_type`'s traits (see above)."""
+    _FAMILIES[model_type] = traits
+
+
+def _granite_hybrid(cfg: dict, spec: dict) -> None:
+    """Granite-4.0-H: muP multipliers, no rope unless asked, a shared MLP beside the MoE."""
+    spec["attention"]["scale"] = float(cfg.get("attention_multiplier", 1.0))
+    spec["embedding_multiplier"] = float(cfg.get("embedding_multiplier", 1.0))
+    spec["residual_multiplier"] = float(cfg.get("residual_multiplier", 1.0))
+    spec["logits_scaling"] = float(cfg.get("logits_scaling", 1.0))
+    if cfg.get("position_embedding_type") != "rope":
+        spec["rope"]["type"] = "none"
+    spec["mlp"]["intermediate_size"] = cfg["shared_intermediate_size"]   # the dense shared MLP
+
+
+def _qwen3_next(cfg: dict, spec: dict) -> None:
+    """Qwen3-Next: gated attention output (its MoE, with a gated shared expert, is read generally)."""
+    spec["attention"]["output_gate"] = True
+
+
+family("llama")
+family("mistral")
+family("qwen2", qkv_bias=True)
+family("qwen3", qk_norm=True)
+# Qwen3-MoE: Qwen3 attention, softmax top-k MoE (no shared expert) on the layers that
+# decoder_sparse_step / mlp_only_layers pick, dense MLPs elsewhere.
+family("qwen3_moe", qk_norm=True)
+# Gemma 3 text: (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, q/k norms,
+# 5 sliding : 1 full layers with a local rope.
+family("gemma3_text", qk_norm=True, gemma=True)
+# Bamba: mamba2 layers with a few full-attention layers (attn_layer_indices).
+family("bamba", non_attn_layers="mamba2",
+       weight_names={"final_norm": "model.final_layernorm.weight", "post_attn_norm": "pre_ff_layernorm.weight",
+                     "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj",
+                     "down": "feed_forward.down_proj"})
+# Qwen3-Next: gated DeltaNet layers, every n-th layer gated full attention, MoE MLPs,
+# (1 + w) norms, partial rotary.
+family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
+# Granite-4.0-H: mamba2 + attention layers, MoE or dense shared MLP, muP-style multipliers;
+# block_sparse_moe / shared_mlp sit on the layer.
+family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
+       moe={"style": "granite"}, adjust=_granite_hybrid)
+
+# Config fields that name a mechanism the zoo does not have: a value other than the listed
+# harmless ones fails, naming the field.
+_UNSUPPORTED = {
+    "final_logit_softcapping": (None,), "attn_logit_softcapping": (None,),
+    "use_post_attention_norm": (None, False), "use_qk_layernorm": (None, False),
+    "use_parallel_residual": (None, False), "alibi": (None, False),
+    # DeepSeek-V2's group_limited_greedy ranks groups by their best expert, not their best two
+    "topk_method": (None, "greedy", "noaux_tc"), "scoring_func": (None, "softmax", "sigmoid"),
 }
-_BAMBA_NAMES = {"final_norm": "model.final_layernorm.weight", "post_attn_norm": "pre_ff_layernorm.weight",
-                "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj", "down": "feed_forward.down_proj"}
 
 
 def moe_from_hf(cfg: dict, fixed: dict | None = None) -> dict | None:
@@ -64,6 +109,10 @@ def moe_from_hf(cfg: dict, fixed: dict | None = None) -> dict | None:
            "n_group": first("n_group", "num_expert_group", default=1),
            "topk_group": cfg.get("topk_group") or 1,
            "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0)}
+    if cfg.get("scoring_func"):                     # DeepSeek-V2/V3 style configs spell it out
+        moe["scoring"] = cfg["scoring_func"]
+    if cfg.get("topk_method") == "noaux_tc":         # ... and the selection bias
+        moe["selection_bias"] = True
     if cfg.get("moe_latent_size"):
         moe["latent_size"] = cfg["moe_latent_size"]
     for key in ("swiglu_alpha", "swiglu_limit"):
@@ -75,6 +124,18 @@ def moe_from_hf(cfg: dict, fixed: dict | None = None) -> dict | None:
     if not moe["num_experts"] and (moe.get("style") != "granite" or not moe["shared_expert_intermediate_size"]):
         return None
     return moe
+
+
+def ffn_from_hf(cfg: dict, num_layers: int) -> list[str] | None:
+    """`layers.ffn` where the config says which layers are dense: Kimi's mlp_layer_types
+    (dense / sparse), DeepSeek's first_k_dense_replace (with V2's moe_layer_freq). None: the
+    `moe:` section's decoder_sparse_step / mlp_only_layers decide (Qwen)."""
+    if cfg.get("mlp_layer_types"):
+        return ["mlp" if t == "dense" else "moe" for t in cfg["mlp_layer_types"]]
+    if cfg.get("first_k_dense_replace") is not None:
+        k, freq = cfg["first_k_dense_replace"], cfg.get("moe_layer_freq") or 1
+        return ["moe" if i >= k and i % freq == 0 else "mlp" for i in range(num_layers)]
+    return None
 
 
 def _rope(cfg: dict, params: dict | None = None) -> dict:
@@ -91,34 +152,28 @@ def _rope(cfg: dict, params: dict | None = None) -> dict:
     return rope
 
 
-def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
-    where = hf_dir / "config.json"
-    model_type = cfg.get("model_type")
-    if model_type not in _FAMILIES:
-        raise SpecError(f"{where}: model_type: {model_type!r} is not supported yet "
-                        f"(supported: {', '.join(_FAMILIES)})")
-    traits = _FAMILIES[model_type]
-    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if cfg.get(key) is not None:
-            raise SpecError(f"{where}: {key}: logit soft-capping is not supported yet")
+def _layer_kinds(cfg: dict, traits: dict, where: Path) -> list[str]:
+    """Our kind per layer: from attn_layer_indices (Bamba), else from `layer_types` (the
+    family's own spellings first, then each kind's `hf_layer_types`), else all attention
+    (sliding when the config has a window and no per-layer types, as Mistral)."""
     num_layers = cfg["num_hidden_layers"]
-    # Layer kinds: from attn_layer_indices (Bamba), else from layer_types (a family's own
-    # spellings first, then each kind's `hf_layer_types`), else all attention.
     if traits.get("non_attn_layers"):
         attn = set(cfg.get("attn_layer_indices") or [])
-        kinds = ["full_attention" if i in attn else traits["non_attn_layers"] for i in range(num_layers)]
-    else:
-        aliases = traits.get("layer_types", {})
-        kinds = [aliases.get(t) or from_hf_layer_type(t) for t in cfg.get("layer_types") or []]
-    if not kinds:
-        kind = "sliding_attention" if model_type == "mistral" and cfg.get("sliding_window") else "full_attention"
-        kinds = [kind] * num_layers
-    rope_params = cfg.get("rope_parameters") or {}
-    per_kind = isinstance(rope_params.get("full_attention"), dict)
-    heads = cfg["num_attention_heads"]
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
-    if act not in HF_NAMES:
-        raise SpecError(f"{where}: hidden_act: {act!r} is not supported")
+        return ["full_attention" if i in attn else traits["non_attn_layers"] for i in range(num_layers)]
+    aliases = traits.get("layer_types", {})
+    kinds = [aliases.get(t) or from_hf_layer_type(t) for t in cfg.get("layer_types") or []]
+    for i, kind in enumerate(kinds):
+        if not all(k in KINDS for k in mixers_of(kind)):
+            raise SpecError(f"{where}: layer_types[{i}]: {cfg['layer_types'][i]!r} is not a layer kind we have "
+                            f"(known: {', '.join(KINDS)})")
+    if kinds:
+        return kinds
+    windowed = cfg.get("sliding_window") and cfg.get("use_sliding_window", True) is not False
+    return ["sliding_attention" if windowed else "full_attention"] * num_layers
+
+
+def _eos(cfg: dict, hf_dir: Path) -> list[int]:
+    """eos_token_id of config.json, then generation_config.json's extra ones."""
     eos = cfg.get("eos_token_id")
     eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     gen = hf_dir / "generation_config.json"
@@ -127,9 +182,28 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         for t in [g_eos] if isinstance(g_eos, int) else (g_eos or []):
             if t not in eos:
                 eos.append(t)
+    return eos
+
+
+def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
+    """The spec dict of an HF config: every field read by name, the family's traits on top."""
+    where = hf_dir / "config.json"
+    model_type = cfg.get("model_type")
+    traits = _FAMILIES.get(model_type, {})
+    for key, harmless in _UNSUPPORTED.items():
+        if cfg.get(key) not in harmless:
+            raise SpecError(f"{where}: {key}: {cfg[key]!r}: this mechanism is not supported yet")
+    kinds = _layer_kinds(cfg, traits, where)
+    rope_params = cfg.get("rope_parameters") or {}
+    per_kind = isinstance(rope_params.get("full_attention"), dict)
+    heads = cfg["num_attention_heads"]
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+    if act not in HF_NAMES:
+        raise SpecError(f"{where}: hidden_act: {act!r} is not supported (known: {', '.join(HF_NAMES)})")
     attn_bias = bool(cfg.get("attention_bias", False))
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     gemma = traits.get("gemma", False)
+    num_layers = cfg["num_hidden_layers"]
     spec = {
         "name": hf_dir.name,
         "vocab_size": cfg["vocab_size"],
@@ -142,13 +216,13 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
             "qk_norm": traits.get("qk_norm", False),
             "bias": traits.get("qkv_bias", attn_bias),
-            "o_bias": attn_bias and not traits.get("qkv_bias", False),
+            "o_bias": bool(cfg.get("attention_out_bias", attn_bias and not traits.get("qkv_bias", False))),
             "sliding_window": None,     # the sliding_attention kind's importer sets it
             "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar") if gemma else None,
         },
         "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": HF_NAMES[act],
                 "bias": bool(cfg.get("mlp_bias", False))},
-        "norm": {"eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "norm": {"eps": float(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-6))),
                  "offset": 1.0 if gemma or traits.get("offset_norm") else 0.0,
                  "sandwich": gemma},
         "rope": _rope(cfg, rope_params["full_attention"] if per_kind else None),
@@ -157,27 +231,23 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "dtype": dtype if dtype in DTYPES else "float32",
         "max_model_len": int(cfg.get("max_position_embeddings", 4096)),
-        "eos_token_ids": eos,
+        "eos_token_ids": _eos(cfg, hf_dir),
         "checkpoint": {"source": "hf", "path": str(hf_dir.resolve())},
     }
+    used = {k for entry in kinds for k in mixers_of(entry)}
     for kind in KINDS.values():     # each kind present reads its own fields (its section, a window)
-        if kind.name in kinds:
+        if kind.name in used:
             kind.import_hf(cfg, spec)
-    if model_type == "bamba":
-        spec["weight_names"] = dict(_BAMBA_NAMES)
-    if model_type == "granitemoehybrid":
-        spec["weight_names"] = {"moe": ""}         # block_sparse_moe / shared_mlp sit on the layer
-        spec["attention"]["scale"] = float(cfg.get("attention_multiplier", 1.0))
-        spec["embedding_multiplier"] = float(cfg.get("embedding_multiplier", 1.0))
-        spec["residual_multiplier"] = float(cfg.get("residual_multiplier", 1.0))
-        spec["logits_scaling"] = float(cfg.get("logits_scaling", 1.0))
-        if cfg.get("position_embedding_type") != "rope":
-            spec["rope"]["type"] = "none"
-        spec["mlp"]["intermediate_size"] = cfg["shared_intermediate_size"]
-    if model_type == "qwen3_next":
-        spec["attention"]["output_gate"] = True
-    if "moe" in traits and (moe := moe_from_hf(cfg, traits["moe"])) is not None:
+    moe = moe_from_hf(cfg, traits.get("moe"))
+    if moe is not None:
         spec["moe"] = moe
+        ffn = ffn_from_hf(cfg, num_layers)
+        if ffn is not None:
+            spec["layers"]["ffn"] = ffn
+    if traits.get("weight_names"):
+        spec["weight_names"] = dict(traits["weight_names"])
+    if traits.get("adjust"):
+        traits["adjust"](cfg, spec)
     return spec
 
 
@@ -185,11 +255,12 @@ def _with_defaults(cfg: dict, hf_dir: Path) -> dict:
     """config.json omits fields left at their class defaults (transformers writes diffs):
     let transformers fill them in, for the families it knows. A multimodal Gemma 3 config
     yields its text part."""
-    if cfg.get("model_type") not in _FAMILIES and cfg.get("model_type") != "gemma3":
-        return cfg
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
-    full = AutoConfig.from_pretrained(str(hf_dir)).to_dict()
+    try:
+        full = AutoConfig.from_pretrained(str(hf_dir)).to_dict()
+    except (ValueError, KeyError, OSError):     # a model_type transformers does not know: as written
+        return cfg
     if full.get("model_type") == "gemma3" and isinstance(full.get("text_config"), dict):
         full = {**full["text_config"], "model_type": "gemma3_text"}
     return full
@@ -208,7 +279,9 @@ def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
     try:
         data = spec_dict_from_hf_config(cfg, hf_dir)
     except KeyError as e:
-        raise SpecError(f"{config}: {e.args[0]}: required field is missing") from None
+        hint = "" if cfg.get("model_type") in _FAMILIES else \
+            f" (model_type {cfg.get('model_type')!r} is read as a Llama-style config; known families: {', '.join(_FAMILIES)})"
+        raise SpecError(f"{config}: {e.args[0]}: required field is missing{hint}") from None
     return spec_from_dict(data, str(config))
 
 

@@ -3,8 +3,8 @@
 The schemas check types only; every bound on a value lives in SamplingParams.validate and
 Engine.make_request (runtime/limits.py), which `LLM` uses too. Nothing a client sends is
 silently dropped: an unknown field is a 400 (as OpenAI answers), and a known parameter the
-engine cannot honour yet is a 400 naming it unless it holds its no-op value (a penalty of
-0, an empty logit_bias, `response_format: {"type": "text"}`).
+engine cannot honour yet is a 400 naming it unless it holds its no-op value (e.g.
+`response_format: {"type": "text"}`).
 """
 from __future__ import annotations
 
@@ -32,9 +32,7 @@ def _text_format(v) -> bool:
 # Parameters of OpenAI's and vLLM's APIs that this engine does not honour yet, each with the
 # test for its no-op value. Set to anything else they are refused, never ignored.
 _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _is(0, 0.0), "frequency_penalty": _is(0, 0.0), "repetition_penalty": _is(1, 1.0),
-    "logit_bias": _unset, "response_format": _text_format, "echo": _unset,
-    "bad_words": _unset, "allowed_token_ids": _unset, "prompt_logprobs": _unset,
+    "response_format": _text_format, "echo": _unset, "bad_words": _unset, "prompt_logprobs": _unset,
     "use_beam_search": _unset, "length_penalty": _is(1, 1.0), "truncate_prompt_tokens": _unset,
     "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
     "guided_grammar": _unset, "guided_decoding_backend": _unset, "logits_processors": _unset,
@@ -81,6 +79,11 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None   # extension
     ignore_eos: bool = False            # extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None   # extension
+    logit_bias: dict[str, float] | None = None   # token id (as a JSON key) -> bias
+    allowed_token_ids: list[int] | None = None   # extension
     include_stop_str_in_output: bool = False  # extension
     skip_special_tokens: bool = True    # extension
     stream: bool = False
@@ -107,7 +110,21 @@ class _Common(_Strict):
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """JSON object keys are strings: they must spell token ids."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 19:
+                raise ParamError(f"logit_bias: key {key[:32]!r} is not a token id", "logit_bias")
+            out[int(key)] = bias
+        return out
 
 
 class CompletionRequest(_Common):

@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime import tokenize_api
 from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from runtime.http_guards import ApiKeyAuth, BodyGuard, SafeJSONResponse
 from runtime.limits import ParamError, short_repr
@@ -322,6 +323,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat)
     app.get("/v1/models")(server.models)
+    tokenize_api.add_routes(app, server, APIError)
 
     @app.get("/health")
     async def health():

@@ -113,10 +113,24 @@ def test_import_hf_roundtrip(tiny_hf, tmp_path):
     assert a == b
 
 
-def test_import_hf_unsupported_family(tmp_path):
+def test_import_hf_unknown_family(tmp_path):
+    """A model_type we do not list is read field by field like any other; what it lacks, or
+    a mechanism it names that we do not have, fails in one line naming the config field."""
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(SpecError, match=r"config.json: model_type: 'gpt2' is not supported yet"):
+    with pytest.raises(SpecError, match=r"config.json: num_hidden_layers: required field is missing \(model_type 'gpt2' "
+                                        r"is read as a Llama-style config; known families: llama, "):
         resolve_spec(tmp_path)
+    cfg = {"model_type": "newfamily", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+           "vocab_size": 100, "intermediate_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "attn_logit_softcapping": 30.0}))
+    with pytest.raises(SpecError, match=r"config.json: attn_logit_softcapping: 30.0: this mechanism is not supported"):
+        resolve_spec(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "layer_types": ["full_attention", "retention"]}))
+    with pytest.raises(SpecError, match=r"config.json: layer_types\[1\]: 'retention' is not a layer kind we have"):
+        resolve_spec(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    spec = resolve_spec(tmp_path)
+    assert spec.layer_kinds == ["full_attention"] * 2 and spec.attention.head_dim == 16
 
 
 def test_cli_error_is_one_line(tmp_path):
