@@ -25,6 +25,23 @@ save_pretrained writes for Qwen3-MoE, DeepSeek-V3, Kimi, MiniMax, Nemotron-H), f
 (Granite) or fused transposed with gate/up interleaved (GPT-OSS); `moe_sources` names them
 for the loader, which transposes / de-interleaves on the way in (models.loader.TRANSFORMS).
 
+How each family's block is declared (`moe:` fields; `weight_names` keys; tests/test_moe.py
+pins each against its HF block and saved checkpoint):
+
+    qwen3_moe      defaults (softmax; norm_topk_prob from config; no shared expert)
+    qwen3_next,    shared_expert_intermediate_size (sigmoid-gated shared expert, the default)
+    qwen3_5_moe    (3.5 always renormalises: norm_topk_prob: true, the default)
+    deepseek_v3    scoring: sigmoid, selection_bias, router_fp32, n_group, topk_group,
+                   routed_scaling_factor, shared_expert_gate: false; moe_shared: shared_experts
+    kimi_linear    as deepseek_v3; moe: block_sparse_moe, moe_expert_gate/up/down: w1/w3/w2
+    nemotron_h     as deepseek_v3 plus gated: false, activation: relu2 (latent_size, dense_bias
+                   from moe_latent_size, mlp_bias); layer: backbone.layers.{i}., moe: mixer
+    minimax        defaults; moe: block_sparse_moe, moe_expert_gate/up/down: w1/w3/w2
+    gpt_oss        scoring: topk_softmax, router_bias, expert_bias, activation: swiglu_clamped
+                   (swiglu_alpha/limit), expert_layout: fused_transposed, gate_up_interleaved;
+                   moe_router: router
+    granite        style: granite (top-k softmax, fused Granite names, ungated shared MLP); moe: ""
+
 Compute: (token, slot) pairs are sorted by expert, gathered once, each expert that received
 tokens runs two matmuls on its contiguous slice, and the weighted results are scattered back
 with one index_add_: no Python loop over tokens; the loop over experts skips empty ones.

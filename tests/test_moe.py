@@ -74,7 +74,7 @@ def _config(family: str, **over):
 FAMILIES = {
     "qwen3_moe": ({}, {}, "mlp", "gate"),
     "qwen3_next": ({}, {}, "mlp", "gate"),
-    "qwen3_5_moe": ({"norm_topk_prob": True}, {}, "mlp", "gate"),
+    "qwen3_5_moe": ({}, {}, "mlp", "gate"),        # HF always renormalises; the reader defaults to it
     "deepseek_v3": (_SIGMOID, {"moe_shared": "shared_experts"}, "mlp", "gate"),
     "kimi_linear": (_SIGMOID, {"moe": "block_sparse_moe", "moe_shared": "shared_experts", **_W1W3W2}, "mlp", "gate"),
     "nemotron_h": ({**_SIGMOID, "gated": False, "activation": "relu2"},
