@@ -343,3 +343,31 @@ def test_router_params_stay_fp32_in_bf16_models():
     spec = _spec({"selection_bias": True}, dtype="bfloat16")   # without router_fp32 only the bias stays fp32
     gate = build_model(spec).layers[0].mlp.gate
     assert (gate.weight.dtype, gate.e_score_correction_bias.dtype) == (torch.bfloat16, torch.float32)
+
+
+def test_reader_spellings_and_dense_layers():
+    """moe_from_hf reads each family's spelling of a field; ffn_from_hf turns DeepSeek's
+    first_k_dense_replace / moe_layer_freq and Kimi's mlp_layer_types into layers.ffn."""
+    from models.import_hf import ffn_from_hf
+    kimi = {"num_experts": 16, "num_experts_per_token": 4, "moe_intermediate_size": 32, "num_shared_experts": 2,
+            "moe_renormalize": False, "num_expert_group": 4, "topk_group": 2}
+    m = moe_from_hf(kimi)
+    assert (m["num_experts"], m["num_experts_per_tok"], m["shared_expert_intermediate_size"]) == (16, 4, 64)
+    assert (m["norm_topk_prob"], m["n_group"], m["topk_group"]) == (False, 4, 2)
+    v2 = moe_from_hf({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                      "scoring_func": "sigmoid", "topk_method": "noaux_tc"}, {"router_fp32": True})
+    assert (v2["scoring"], v2["selection_bias"], v2["router_fp32"]) == ("sigmoid", True, True)
+    assert moe_from_hf({"intermediate_size": 96}) is None          # dense: no moe section
+    assert ffn_from_hf({"first_k_dense_replace": 1}, 4) == ["mlp", "moe", "moe", "moe"]
+    assert ffn_from_hf({"first_k_dense_replace": 1, "moe_layer_freq": 2}, 5) == ["mlp", "mlp", "moe", "mlp", "moe"]
+    assert ffn_from_hf({"mlp_layer_types": ["dense", "sparse"]}, 2) == ["mlp", "moe"]
+    assert ffn_from_hf({"decoder_sparse_step": 2}, 4) is None
+
+
+def test_unsupported_routing_method_names_the_field(tmp_path):
+    from models.import_hf import spec_dict_from_hf_config
+    from models.spec import SpecError
+    cfg = {"model_type": "deepseek_v2", "vocab_size": 64, "hidden_size": H, "intermediate_size": 96,
+           "num_hidden_layers": 1, "num_attention_heads": 4, "topk_method": "group_limited_greedy"}
+    with pytest.raises(SpecError, match=r"config.json: topk_method: 'group_limited_greedy': this mechanism"):
+        spec_dict_from_hf_config(cfg, tmp_path)
