@@ -121,7 +121,7 @@ def _(x, top_k_index, top_k_weights, w_in, w_out, b_in, b_out, activation, gated
 
 
 def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.zeros(*shape), requires_grad=False)
+    return nn.Parameter(torch.zeros(*shape))
 
 
 class FusedExperts(nn.Module):
