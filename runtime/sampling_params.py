@@ -42,6 +42,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # HF: tokens seen in prompt or output, logit / p (or * p if < 0)
     logit_bias: dict[int, float] | None = None    # token id -> added to its logit, in [-100, 100]
     allowed_token_ids: list[int] | None = None    # sample only among these
+    bad_words: list[str] = field(default_factory=list)   # never completed: each word's last token is
+                                                         # banned once the output ends with the rest
+    bad_words_token_ids: list[list[int]] | None = None   # their tokenizations (the engine fills this)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -51,6 +54,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -104,6 +108,8 @@ class SamplingParams:
                 not isinstance(self.allowed_token_ids, list) or not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKENS
                 or not all(is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids)):
             bad("allowed_token_ids", f"must be 1 to {MAX_ALLOWED_TOKENS} non-negative token ids")
+        if len(self.bad_words) > MAX_STOP_STRINGS or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", f"must be at most {MAX_STOP_STRINGS} non-blank strings")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", "must be a RequestOutputKind")
 

@@ -118,6 +118,7 @@ class _Batch:
                                                                                               dtype=np.float32))
                            for r in rows]
         self.allowed_token_ids = [None if "allowed" not in r else np.array(r["allowed"]) for r in rows]
+        self.bad_words = [r.get("bad") for r in rows]
 
 
 def test_batched_edits_equal_a_per_row_loop():
@@ -127,7 +128,9 @@ def test_batched_edits_equal_a_per_row_loop():
             dict(tokens=[3, 3, 3], prompt=3),
             dict(tokens=[7, 8, 7, 7, 1], prompt=1, freq=-0.75, bias={7: 2.0, 40: -5.0}),
             dict(tokens=[5], prompt=1, allowed=[0, 5, 49], rep=0.5),
-            dict(tokens=[6, 6, 2, 2], prompt=2, pres=2.0)]
+            dict(tokens=[6, 6, 2, 2], prompt=2, pres=2.0),
+            # bad words: 11 always; 13 after output ending [2, 9]; 14 after [4] (not the tail)
+            dict(tokens=[1, 2, 9], prompt=1, bad=[[11], [2, 9, 13], [4, 14], [1, 2, 9, 15]])]
     logits = torch.randn(len(rows), vocab, generator=g) * 3
     want = logits.clone()
     for i, r in enumerate(rows):
@@ -141,6 +144,9 @@ def test_batched_edits_equal_a_per_row_loop():
         for t in set(toks):
             x = want[i, t]
             want[i, t] = x / r.get("rep", 1.0) if x > 0 else x * r.get("rep", 1.0)
+        for seq in r.get("bad", []):     # the prompt never counts: [1, 2, 9, 15] bans nothing
+            if out[len(out) - len(seq) + 1:] == seq[:-1] and len(out) >= len(seq) - 1:
+                want[i, seq[-1]] = float("-inf")
         for t in set(out):
             want[i, t] -= r.get("freq", 0.0) * out.count(t) + r.get("pres", 0.0)
     edits = LogitsEdits.build(_Batch(rows), np.arange(len(rows)), vocab, "cpu")
@@ -169,3 +175,22 @@ def test_ids_must_be_in_the_vocabulary(llama):
             llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(**kwargs), use_tqdm=False)
     stats = llm.kv_cache_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_bad_words_are_never_completed(tmp_path):
+    """With a real tokenizer: a word the model greedily emits, given as a bad word, no longer
+    appears in any spelling of it (alone or after a space)."""
+    from tests.serving import tiny_chat_spec
+    llm = LLM(tiny_chat_spec(tmp_path))
+    tok = llm.get_tokenizer()
+    params = dict(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = llm.generate("Once upon a time", SamplingParams(**params), use_tqdm=False)[0].outputs[0]
+    word = tok.decode(plain.token_ids[:1]).strip()
+    assert word
+    out = llm.generate("Once upon a time", SamplingParams(bad_words=[word], **params), use_tqdm=False)[0].outputs[0]
+    spellings = [tok.encode(w, add_special_tokens=False) for w in (word, " " + word)]
+    singles = {s[0] for s in spellings if len(s) == 1}
+    assert singles and not singles & set(out.token_ids)
+    assert out.token_ids != plain.token_ids
+    with pytest.raises(ParamError, match="bad_words"):
+        SamplingParams(bad_words=["  "])

@@ -40,6 +40,7 @@ class InputBatch:
         self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
         self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_reqs
         self.allowed_token_ids: list[np.ndarray | None] = [None] * max_num_reqs
+        self.bad_words: list[list[list[int]] | None] = [None] * max_num_reqs
         self.external = np.zeros(max_num_reqs, dtype=bool)   # samples reported, not appended
         # Keyed by request id, not row: a preempted request keeps its generator and resumes
         # the same random stream when it comes back.
@@ -78,6 +79,7 @@ class InputBatch:
             np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)))
         self.allowed_token_ids[row] = None if p.allowed_token_ids is None else \
             np.asarray(sorted(set(p.allowed_token_ids)), dtype=np.int64)
+        self.bad_words[row] = p.bad_words_token_ids or None
         if p.seed is not None and new.req_id not in self.generators:
             self.generators[new.req_id] = torch.Generator().manual_seed(p.seed)
         return row
@@ -125,4 +127,5 @@ class InputBatch:
         self.stop_ids[dst] = self.stop_ids[src]
         self.logit_bias[dst] = self.logit_bias[src]
         self.allowed_token_ids[dst] = self.allowed_token_ids[src]
+        self.bad_words[dst] = self.bad_words[src]
         self.block_table.move_row(src, dst)

@@ -1,7 +1,8 @@
 """Per-request logit edits applied before sampling, vectorised over the batch's rows.
 
 Order (vLLM's): `allowed_token_ids` masks everything else, `logit_bias` adds its biases,
-then the penalties:
+`bad_words` bans the last token of each bad word whose other tokens end the output so far
+(a one-token word is always banned), then the penalties:
 - repetition_penalty p (HF / CTRL): every token seen in the prompt or the output so far has
   its logit divided by p when positive, multiplied by p when negative;
 - frequency_penalty f and presence_penalty r (OpenAI): logit -= f * count + r * (count > 0),
@@ -32,6 +33,7 @@ class LogitsEdits:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None   # (rows, ids, values)
     allowed: tuple[torch.Tensor, torch.Tensor] | None = None    # (rows, ids): all else masked
     allowed_rows: torch.Tensor | None = None       # rows that have an allowed list
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None     # (rows, ids) of bad words' last tokens
 
     @staticmethod
     def build(batch, rows: np.ndarray, vocab: int, device) -> LogitsEdits | None:
@@ -40,9 +42,13 @@ class LogitsEdits:
         pen = np.flatnonzero((rep != 1) | (freq != 0) | (pres != 0))
         bias_rows = [i for i, r in enumerate(rows.tolist()) if batch.logit_bias[r] is not None]
         allow_rows = [i for i, r in enumerate(rows.tolist()) if batch.allowed_token_ids[r] is not None]
-        if not len(pen) and not bias_rows and not allow_rows:
+        banned = LogitsEdits._bad_words(batch, rows)
+        if not len(pen) and not bias_rows and not allow_rows and not banned:
             return None
         edits = LogitsEdits()
+        if banned:
+            r, t = zip(*banned)
+            edits.banned = (torch.tensor(r, device=device), torch.tensor(t, device=device))
         if len(pen):
             r = rows[pen]
             n_tok, n_prompt = batch.num_tokens[r], batch.num_prompt_tokens[r]
@@ -67,6 +73,22 @@ class LogitsEdits:
             edits.allowed_rows = torch.tensor(allow_rows, device=device)
         return edits
 
+    @staticmethod
+    def _bad_words(batch, rows: np.ndarray) -> list[tuple[int, int]]:
+        """(row, token) pairs to ban this step: a loop over the rows that have bad words and
+        their words (host-side, a handful), comparing each word's head with the output's tail."""
+        pairs = []
+        for i, r in enumerate(rows.tolist()):
+            words = batch.bad_words[r]
+            if not words:
+                continue
+            n, start = int(batch.num_tokens[r]), int(batch.num_prompt_tokens[r])
+            for seq in words:
+                head = len(seq) - 1
+                if head == 0 or (n - start >= head and batch.token_ids[r, n - head:n].tolist() == seq[:-1]):
+                    pairs.append((i, seq[-1]))
+        return pairs
+
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """A new [n, vocab] float tensor with the edits applied (`logits` is left intact)."""
         logits = logits.clone()
@@ -81,6 +103,8 @@ class LogitsEdits:
         if self.bias is not None:
             rows, ids, values = self.bias
             logits.index_put_((rows, ids), values.to(logits.dtype), accumulate=True)
+        if self.banned is not None:
+            logits[self.banned] = float("-inf")
         if self.penalty_rows is not None:
             m = len(self.penalty_rows)
             sub = logits[self.penalty_rows]
