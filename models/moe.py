@@ -32,7 +32,8 @@ pins each against its HF block and saved checkpoint):
     qwen3_next,    shared_expert_intermediate_size (sigmoid-gated shared expert, the default)
     qwen3_5_moe    (3.5 always renormalises: norm_topk_prob: true, the default)
     deepseek_v3    scoring: sigmoid, selection_bias, router_fp32, n_group, topk_group,
-                   routed_scaling_factor, shared_expert_gate: false; moe_shared: shared_experts
+                   routed_scaling_factor, shared_expert_gate: false (moe_from_hf infers it from
+                   n_shared_experts); moe_shared: shared_experts
     kimi_linear    as deepseek_v3; moe: block_sparse_moe, moe_expert_gate/up/down: w1/w3/w2
     nemotron_h     as deepseek_v3 plus gated: false, activation: relu2 (latent_size, dense_bias
                    from moe_latent_size, mlp_bias); layer: backbone.layers.{i}., moe: mixer

@@ -26,7 +26,7 @@ H, E, K, I_MOE, I_SHARED, T = 64, 8, 2, 32, 48, 48
 _ATTN = dict(vocab_size=64, hidden_size=H, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
              pad_token_id=None, bos_token_id=None, eos_token_id=None)
 _MLA = dict(kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
-_SIGMOID = {"scoring": "sigmoid", "selection_bias": True, "router_fp32": True, "shared_expert_gate": False}
+_SIGMOID = {"scoring": "sigmoid", "selection_bias": True, "router_fp32": True}
 _W1W3W2 = {"moe_expert_gate": "w1", "moe_expert_up": "w3", "moe_expert_down": "w2"}
 
 
@@ -353,7 +353,10 @@ def test_reader_spellings_and_dense_layers():
             "moe_renormalize": False, "num_expert_group": 4, "topk_group": 2}
     m = moe_from_hf(kimi)
     assert (m["num_experts"], m["num_experts_per_tok"], m["shared_expert_intermediate_size"]) == (16, 4, 64)
-    assert (m["norm_topk_prob"], m["n_group"], m["topk_group"]) == (False, 4, 2)
+    assert (m["norm_topk_prob"], m["n_group"], m["topk_group"], m["shared_expert_gate"]) == (False, 4, 2, False)
+    qwen = moe_from_hf({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                        "shared_expert_intermediate_size": 48})
+    assert (qwen["shared_expert_intermediate_size"], qwen["shared_expert_gate"]) == (48, True)
     v2 = moe_from_hf({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                       "scoring_func": "sigmoid", "topk_method": "noaux_tc"}, {"router_fp32": True})
     assert (v2["scoring"], v2["selection_bias"], v2["router_fp32"]) == ("sigmoid", True, True)
