@@ -108,7 +108,8 @@ def moe_from_hf(cfg: dict, fixed: dict | None = None) -> dict | None:
            "mlp_only_layers": list(cfg.get("mlp_only_layers") or []),
            "n_group": first("n_group", "num_expert_group", default=1),
            "topk_group": cfg.get("topk_group") or 1,
-           "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0)}
+           "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+           "dense_bias": bool(cfg.get("mlp_bias", False))}   # Nemotron-H: its shared expert is an MLP too
     if shared:   # Qwen's spelling comes with a sigmoid gate; n_shared_experts & co (DeepSeek, Nemotron-H) do not
         moe["shared_expert_gate"] = cfg.get("shared_expert_intermediate_size") is not None
     if cfg.get("scoring_func"):                     # DeepSeek-V2/V3 style configs spell it out

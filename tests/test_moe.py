@@ -105,10 +105,9 @@ def _seed_block(module: torch.nn.Module, seed: int, router_std: float) -> None:
 class Pair:
     """An HF model's MoE block (layer 0) and ours, loaded from the HF model's saved checkpoint."""
 
-    def __init__(self, family: str, tmp_path, seed: int = 0, traits: dict | None = None, **over):
+    def __init__(self, family: str, tmp_path, seed: int = 0, **over):
         from transformers import AutoModelForCausalLM
         fixed, names, block_attr, router_attr = FAMILIES[family]
-        fixed = {**fixed, **(traits or {})}
         cfg = _config(family, **over)
         torch.manual_seed(seed)
         self.model = AutoModelForCausalLM.from_config(cfg).eval()
@@ -185,9 +184,10 @@ def test_qwen3_moe_renormalisation(norm_topk_prob, tmp_path):
 
 
 def test_nemotron_latent_and_biases(tmp_path):
-    """Nemotron-H's latent MoE (fc1/fc2_latent_proj around the experts) with mlp_bias, which its
-    importer passes on as dense_bias (shared expert and latent projections)."""
-    pair = Pair("nemotron_h", tmp_path, seed=4, traits={"dense_bias": True}, moe_latent_size=24, mlp_bias=True)
+    """Nemotron-H's latent MoE (fc1/fc2_latent_proj around the experts) with mlp_bias, which the
+    reader passes on as dense_bias (shared expert and latent projections)."""
+    pair = Pair("nemotron_h", tmp_path, seed=4, moe_latent_size=24, mlp_bias=True)
+    assert pair.spec.moe.dense_bias
     assert pair.spec.moe.latent_size == 24 and pair.ours.experts.in_size == 24
     assert pair.ours.latent_in.bias is not None and pair.ours.shared_expert.up_proj.bias is not None
     ref, out, ref_w, ref_idx, w, idx = pair.run(_inputs(seed=5))
