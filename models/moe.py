@@ -57,11 +57,11 @@ from torch import nn
 
 from models import activations
 from models.kinds import linear_sources
+from models.moe_spec import CLAMPED_SWIGLU, MoESpec
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
 
-CLAMPED_SWIGLU = "swiglu_clamped"
 # Checkpoint names a `style` presets (under weight_names' keys; see models.spec.DEFAULT_WEIGHT_NAMES).
 STYLE_NAMES = {
     "qwen": {},
@@ -181,7 +181,7 @@ class Router(nn.Module):
     Parameters: weight [E, hidden]; bias [E] (router_bias); e_score_correction_bias [E]
     (selection_bias, float32 always, as DeepSeek keeps it)."""
 
-    def __init__(self, hidden_size: int, m) -> None:
+    def __init__(self, hidden_size: int, m: MoESpec) -> None:
         super().__init__()
         self.num_experts, self.top_k = m.num_experts, m.num_experts_per_tok
         self.scoring, self.norm_topk_prob, self.scale = m.scoring, m.norm_topk_prob, m.routed_scaling_factor
@@ -234,7 +234,7 @@ class MoE(nn.Module):
     Submodules: gate (Router; None without routed experts), experts (FusedExperts), latent_in /
     latent_out (latent_size), shared_expert (SharedExpert), shared_expert_gate ([1, hidden])."""
 
-    def __init__(self, hidden_size: int, m, mlp_activation: str = "silu"):
+    def __init__(self, hidden_size: int, m: MoESpec, mlp_activation: str = "silu"):
         super().__init__()
         act = m.expert_activation(mlp_activation)
         common = dict(activation=act, gated=m.gated, alpha=m.swiglu_alpha, limit=m.swiglu_limit)
@@ -286,7 +286,7 @@ def moe_names(spec: ModelSpec) -> dict[str, str]:
             **{k: v for k, v in spec.weight_names.items() if k.startswith("moe_")}}
 
 
-def _expert_sources(m, n: dict[str, str], ours: str, ex: str, in_size: int) -> dict[str, list[tuple]]:
+def _expert_sources(m: MoESpec, n: dict[str, str], ours: str, ex: str, in_size: int) -> dict[str, list[tuple]]:
     """Routed experts: per expert tensors stacked into the fused params (viewed 2-D: gate_up
     [E, 2I, in] as [E*2I, in], expert e's gate rows at e*2I, up rows at e*2I + I), or fused
     tensors whole, transposed / de-interleaved by the loader."""
