@@ -374,3 +374,34 @@ def test_unsupported_routing_method_names_the_field(tmp_path):
            "num_hidden_layers": 1, "num_attention_heads": 4, "topk_method": "group_limited_greedy"}
     with pytest.raises(SpecError, match=r"config.json: topk_method: 'group_limited_greedy': this mechanism"):
         spec_dict_from_hf_config(cfg, tmp_path)
+
+
+DEEPSEEK_STYLE = """
+name: deepseek-style-small
+vocab_size: 256
+hidden_size: 64
+layers: {num: 3, pattern: [full_attention], ffn: [mlp, moe, moe]}
+attention: {num_heads: 4, num_kv_heads: 2, head_dim: 16}
+mlp: {intermediate_size: 96}
+moe: {num_experts: 16, num_experts_per_tok: 4, intermediate_size: 32, shared_expert_intermediate_size: 32,
+      shared_expert_gate: false, scoring: sigmoid, selection_bias: true, router_fp32: true, n_group: 4,
+      topk_group: 2, routed_scaling_factor: 2.5}
+max_model_len: 256
+checkpoint: {source: dummy, seed: 3, init_std: 0.2}
+"""
+
+
+def test_yaml_only_moe_model_runs_batched_and_chunked(tmp_path):
+    """A DeepSeek-style MoE (first layer dense via layers.ffn) declared in YAML alone runs in the
+    engine; chunked prefill and batching leave its greedy output unchanged."""
+    from runtime import LLM, SamplingParams
+    spec = tmp_path / "ds.yaml"
+    spec.write_text(DEEPSEEK_STYLE)
+    llm = LLM(spec)
+    assert [type(layer.mlp).__name__ for layer in llm.engine.model.layers] == ["GatedMLP", "MoE", "MoE"]
+    prompts = [{"prompt_token_ids": list(range(3 + n, 3 + 2 * n))} for n in (5, 23, 40)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    a = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in LLM(spec, max_num_batched_tokens=7, max_num_seqs=1)
+         .generate(prompts, params, use_tqdm=False)]
+    assert a == b and len({t for r in a for t in r}) > 5
