@@ -76,10 +76,12 @@ class CausalLM(nn.Module):
         """State-layer mixers by cache id: `zooinfer::state_update` finds its module here."""
         return {cid: mixer for cid, kind, mixer in self.mixers() if kind.attr == "mixer"}
 
-    def weight_sources(self) -> dict[str, list[tuple[str, int, int]]]:
-        """Our parameter name -> [(checkpoint tensor name, row offset, rows)].
+    def weight_sources(self) -> dict[str, list[tuple]]:
+        """Our parameter name -> [(checkpoint tensor name, row offset, rows[, transforms])].
 
-        Fused params list several tensors stacked along dim 0; plain params list one.
+        Fused params list several tensors stacked along dim 0; plain params list one. A
+        tensor stored in another layout names the loader's transforms to apply first
+        (models.loader.TRANSFORMS: GPT-OSS's transposed, interleaved experts).
         Names come from the spec's `weight_names`, so a family with other names is YAML.
         """
         s, m = self.spec, self.spec.mlp
