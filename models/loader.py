@@ -103,18 +103,49 @@ def _fmt(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def _size_by_file(sources: dict[str, list], files: list[Path], params: dict) -> dict[str, list]:
+    """Parts given as (name, None, None) are stacked in order with as many rows as the
+    checkpoint tensor has: a concatenation whose split points the checkpoint decides (OLMo-
+    Hybrid's q/k/v convs, which HF's save_pretrained re-splits into equal thirds). Their
+    shapes come from the safetensors headers; the rows must add up to the parameter's."""
+    flexible = {p: parts for p, parts in sources.items() if any(part[1] is None for part in parts)}
+    if not flexible:
+        return sources
+    wanted = {part[0] for parts in flexible.values() for part in parts}
+    rows_of: dict[str, int] = {}
+    for file in files:
+        with _open(file) as f:
+            for name in wanted.intersection(f.keys()):
+                rows_of[name] = f.get_slice(name).get_shape()[0]
+    sources = dict(sources)
+    for param, parts in flexible.items():
+        if any(part[0] not in rows_of for part in parts):
+            sources[param] = [(part[0], 0, 0) for part in parts]     # reported as missing below
+            continue
+        offsets = [0]
+        for part in parts:
+            offsets.append(offsets[-1] + rows_of[part[0]])
+        if offsets[-1] != params[param].shape[0]:
+            raise WeightError(f"{files[0].parent}: {', '.join(part[0] for part in parts)} have {offsets[-1]} rows "
+                              f"together, the spec expects {params[param].shape[0]}")
+        sources[param] = [(part[0], off, rows_of[part[0]], *part[3:]) for part, off in zip(parts, offsets)]
+    return sources
+
+
 @torch.no_grad()
 def fill_from_safetensors(params: dict[str, torch.Tensor], sources: dict[str, list[tuple]], path: Path) -> list[str]:
     """Fill `params` from the safetensors under `path` as `sources` says (param name ->
     [(checkpoint tensor, row offset, rows[, transforms])]). Raises on a missing tensor or a
     wrong shape; returns the checkpoint tensors no source named."""
+    files = _safetensors_files(path)
+    sources = _size_by_file(sources, files, params)
     targets: dict[str, tuple] = {}
     for param, parts in sources.items():
         for ckpt_name, offset, rows, *transforms in parts:
             targets[ckpt_name] = (param, offset, rows, tuple(transforms[0]) if transforms else ())
     seen: set[str] = set()
     unused: list[str] = []
-    for file in _safetensors_files(path):
+    for file in files:
         with _open(file) as f:
             for name in f.keys():
                 if name not in targets:
