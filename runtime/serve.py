@@ -22,13 +22,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime import tokenize_api
+from runtime import responses_api, tokenize_api
 from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, SafeJSONResponse
 from runtime.limits import short_repr
 from runtime.metrics import ServerMetrics
 from runtime.openai_protocol import error_body
-from runtime.openai_server import APIError, OpenAIServer
+from runtime.openai_server import APIError, OpenAIServer, bad_param
 
 log = logging.getLogger("zooinfer")
 
@@ -74,6 +74,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app.post("/v1/chat/completions")(server.chat)
     app.get("/v1/models")(server.models)
     tokenize_api.add_routes(app, server, APIError)
+    responses_api.add_routes(app, server, bad_param)
 
     @app.get("/health")
     async def health():
