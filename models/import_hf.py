@@ -56,7 +56,8 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
 
 def _nemotron_h(cfg: dict, spec: dict) -> None:
     """Nemotron-H: attention without rope or biases, a non-gated MLP (relu2), its Mamba2's
-    projection biases under `use_bias` and dt clamped from below at `time_step_min`."""
+    projection biases under `use_bias` and dt clamped from below at `time_step_min`; the MoE
+    section only when a block is MoE (E)."""
     spec["rope"]["type"] = "none"
     spec["attention"]["bias"] = spec["attention"]["o_bias"] = False
     act = cfg.get("mlp_hidden_act", "relu2")     # an unknown one fails as mlp.activation
@@ -64,6 +65,10 @@ def _nemotron_h(cfg: dict, spec: dict) -> None:
     if "mamba2" in spec:
         spec["mamba2"]["proj_bias"] = bool(cfg.get("use_bias", False))
         spec["mamba2"]["time_step_limit"] = [float(cfg.get("time_step_min", 0.0)), float("inf")]
+    if "moe" not in spec["layers"]["ffn"]:      # n_routed_experts has a default: no E block, no section
+        spec.pop("moe", None)
+    elif "moe" in spec:                         # the shared expert and latent projections take mlp_bias
+        spec["moe"]["dense_bias"] = spec["mlp"]["bias"]
 
 
 def _falcon_h1(cfg: dict, spec: dict) -> None:
@@ -123,14 +128,17 @@ family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        moe={"style": "granite"}, adjust=_granite_hybrid)
 # Nemotron-H: each layer is one of Mamba2, attention, MLP or MoE (hybrid_override_pattern
-# M * - E), normed by `norm` and held under `mixer`; checkpoints keep `backbone.` names.
+# M * - E), normed by `norm` and held under `mixer`; checkpoints keep `backbone.` names. Its
+# MoE is DeepSeek-V3's router (sigmoid, selection bias, groups) over non-gated relu2 experts.
 family("nemotron_h", layer_types={"linear_attention": "mamba2", "mlp": "none", "moe": "none"},
        ffn_types={"mlp": "mlp", "moe": "moe"},
        weight_names={"embed": "backbone.embeddings.weight", "final_norm": "backbone.norm_f.weight",
                      "layer": "backbone.layers.{i}.",
                      "input_norm": "norm.weight", "post_attn_norm": "norm.weight", "mamba2": "mixer",
                      "q": "mixer.q_proj", "k": "mixer.k_proj", "v": "mixer.v_proj", "o": "mixer.o_proj",
-                     "up": "mixer.up_proj", "down": "mixer.down_proj", "moe": "mixer"},
+                     "up": "mixer.up_proj", "down": "mixer.down_proj", "moe": "mixer",
+                     "moe_shared": "shared_experts"},
+       moe={"scoring": "sigmoid", "selection_bias": True, "router_fp32": True, "gated": False},
        adjust=_nemotron_h)
 # Falcon-H1: attention and Mamba2 in parallel in every layer, then an MLP; muP multipliers.
 family("falcon_h1", every_layer="full_attention+mamba2",

@@ -93,3 +93,13 @@ def test_weight_scales_errors(scales, message, tmp_path):
     with pytest.raises(WeightError) as e:
         LLM(path)
     assert str(e.value) == f"{path}: {message}"
+
+
+def test_zoo_spec_matches_import(falcon):
+    """zoo/falcon-h1-small.yaml (and the 7B it extends) uses the importer's checkpoint names
+    and layer structure, so a real checkpoint loads under it."""
+    from models import load_spec
+    zoo, imported = load_spec("zoo/falcon-h1-small.yaml"), resolve_spec(falcon.path)
+    assert zoo.weight_names == imported.weight_names
+    assert zoo.layers.pattern == imported.layers.pattern == ["full_attention+mamba2"]
+    assert set(zoo.weight_scales) <= set(imported.weight_scales)
