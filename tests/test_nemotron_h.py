@@ -18,10 +18,11 @@ from tests import zoo_parity
 PATTERN = ["linear_attention", "mlp", "full_attention", "mlp", "linear_attention", "mlp"]
 # M E * - M E: all four block types; the MoE (DeepSeek-V3's router: sigmoid scores, a
 # selection bias, 2 expert groups of which 1 is picked, scaled weights; non-gated relu2
-# experts and shared expert) with biases on the shared expert (mlp_bias).
+# experts in a latent space, a shared expert) with biases on the shared expert and the
+# latent projections (mlp_bias).
 MOE_PATTERN = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe"]
 MOE = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
-           n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True, mlp_bias=True)
+           n_group=2, topk_group=1, routed_scaling_factor=1.5, norm_topk_prob=True, mlp_bias=True, moe_latent_size=24)
 
 
 def tiny_config(layers_block_type=PATTERN, **over):
@@ -45,7 +46,7 @@ def dense(tmp_path_factory):
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     from transformers import NemotronHForCausalLM
-    torch.manual_seed(0)
+    torch.manual_seed(1)    # seed 0 meets a 1e-4 near-tie where HF's own prefill and decode disagree
     model = NemotronHForCausalLM(tiny_config(MOE_PATTERN, **MOE)).eval()
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():   # HF leaves routers, their selection bias, experts and biases small or zero
@@ -76,7 +77,7 @@ def test_import_moe_blocks(moe):
     assert [spec.ffn_kind(i) for i in range(6)] == ["none", "moe", "none", "mlp", "none", "moe"]
     m = spec.moe
     assert (m.scoring, m.selection_bias, m.gated, m.n_group, m.topk_group) == ("sigmoid", True, False, 2, 1)
-    assert (m.shared_expert_intermediate_size, m.shared_expert_gate, m.dense_bias) == (48, False, True)
+    assert (m.shared_expert_intermediate_size, m.shared_expert_gate, m.dense_bias, m.latent_size) == (48, False, True, 24)
     assert m.expert_activation(spec.mlp.activation) == "relu2" and m.routed_scaling_factor == 1.5
     assert spec.cache_layers() == [(0, "mamba2"), (2, "full_attention"), (4, "mamba2")]
 
