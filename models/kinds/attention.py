@@ -22,6 +22,7 @@ WEIGHT_NAMES = {
     "o": "self_attn.o_proj",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+    "sinks": "self_attn.sinks",
 }
 
 
@@ -36,7 +37,7 @@ def forward(mixer: nn.Module, layer_id: int, positions: torch.Tensor, hidden: to
 
 def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sources:
     """q, k, v stacked into qkv_proj (q doubled with Qwen3-Next's output gate), o_proj, and
-    the per-head q/k norms when the spec has them."""
+    the per-head q/k norms and sink logits when the spec has them."""
     a, name = spec.attention, spec.weight_name
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     qr = q * (2 if a.output_gate else 1)
@@ -46,6 +47,8 @@ def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sou
     if a.qk_norm:
         src[ours + "q_norm.weight"] = [(hf + name("q_norm"), 0, a.head_dim)]
         src[ours + "k_norm.weight"] = [(hf + name("k_norm"), 0, a.head_dim)]
+    if a.sinks:
+        src[ours + "sinks"] = [(hf + name("sinks"), 0, a.num_heads)]
     return src
 
 
