@@ -18,7 +18,7 @@ import torch
 
 from attention import ForwardContext, get_backend, set_forward_context
 from kernels import cpu_build
-from tests.test_cpu_prefill import _step
+from tests.test_cpu_prefill import _reference, _step
 
 torch.set_num_threads(1)
 CPU = torch.device("cpu")
@@ -29,26 +29,8 @@ QLEN = [23, 12, 1, 1, 1, 5]
 
 
 def _dense(layout, cache, q, scale, sinks):
-    """float64 softmax([scores, sink_h]) without the sink column, times V, per query token."""
-    bs, window = layout.block_size, layout.sliding_window
-    table = layout.block_table.numpy()
-    group = q.shape[1] // cache.shape[3]
-    qsl = layout.query_start_loc
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i, L in enumerate(layout.seq_lens):
-        ql = qsl[i + 1] - qsl[i]
-        for j in range(ql):
-            p = L - ql + j
-            pos = np.arange(0 if window is None else max(p - window + 1, 0), p + 1)
-            blocks = torch.from_numpy(table[i, pos // bs].astype(np.int64))
-            slot = torch.from_numpy(pos % bs)
-            k = cache[blocks, 0, slot].double().repeat_interleave(group, dim=1)      # [keys, H, D]
-            v = cache[blocks, 1, slot].double().repeat_interleave(group, dim=1)
-            s = torch.einsum("hd,khd->hk", q[qsl[i] + j].double(), k) * scale
-            logits = torch.cat([s, sinks.double()[:, None]], dim=1)
-            w = logits.softmax(dim=1)[:, :-1]
-            out[qsl[i] + j] = torch.einsum("hk,khd->hd", w, v)
-    return out
+    """The float64 reference with each head's sink in the denominator (float32 out)."""
+    return _reference(layout, cache, q, scale, sinks).double()
 
 
 def _batch(heads, kv_heads, dim, window, bs=4, seed=0, ctx=CTX, qlen=QLEN, nan=False):
