@@ -23,17 +23,14 @@ per step into
   only when a layer needs it.
 The only Python-level work per layer is a handful of kernel calls; nothing loops over tokens
 or requests. Sliding-window groups read only the keys inside the window.
-<<<<<<< HEAD
+A layer's cache may be a strided view (pages a pool page apart, cache/pool_layout.py): the C++
+kernels and the padded path read it in place; the sparse decode path, which sees the whole
+cache as one row matrix, needs a contiguous cache and otherwise hands over to the padded path.
 
 Attention sinks (a per-head logit in the softmax denominator, with no value) are honoured by
 every path: the C++ kernels start their online softmax from the sink, the sparse decode adds
 a sink column to its padded score grid, and the padded SDPA gets one extra key whose vector
 and value are zero, its score set to the sink through a float mask.
-=======
-A layer's cache may be a strided view (pages a pool page apart, cache/pool_layout.py): the C++
-kernels and the padded path read it in place; the sparse decode path, which sees the whole
-cache as one row matrix, needs a contiguous cache and otherwise hands over to the padded path.
->>>>>>> main
 """
 from __future__ import annotations
 
@@ -237,32 +234,20 @@ class TorchAttentionBackend(AttentionBackend):
             if (d.kernel is not None and q.dtype == kv_cache.dtype == torch.float32
                     and paged_attention.pages_contiguous(kv_cache)):
                 table, rows, seq_lens, window = d.kernel
-<<<<<<< HEAD
                 paged_attention.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out,
                                              sinks)
-            elif q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES:
-                self._decode(q, kv_cache, d, scale, out, sinks)
-            else:   # no sparse kernel for this dtype: the padded path, planned once per step
-=======
-                paged_attention.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out)
             elif q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES and contiguous:
                 # (the sparse path sees the whole cache as rows: contiguous caches only)
-                self._decode(q, kv_cache, d, scale, out)
+                self._decode(q, kv_cache, d, scale, out, sinks)
             else:   # no sparse kernel for this dtype or layout: the padded path, planned once per step
->>>>>>> main
                 if d.fallback is None:
                     d.fallback = _make_part(meta.layout, d.rows, meta.device)
                 parts = [d.fallback, *parts]
         p = meta.prefills
         if p is not None:
-<<<<<<< HEAD
-            if q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and head_dim <= 256:
-                paged_attention.paged_prefill(q, kv_cache, *p.kernel, scale, out, sinks)
-=======
             if (q.dtype == kv_cache.dtype == torch.float32 and paged_attention.pages_contiguous(kv_cache)
                     and head_dim <= 256):
-                paged_attention.paged_prefill(q, kv_cache, *p.kernel, scale, out)
->>>>>>> main
+                paged_attention.paged_prefill(q, kv_cache, *p.kernel, scale, out, sinks)
             else:   # planned once per step, by the first layer that needs it
                 if p.fallback is None:
                     p.fallback = _make_part(meta.layout, p.rows, meta.device)

@@ -9,16 +9,14 @@ chunk and no masked upper triangle (`python -m bench.cpu_attention --prefill` co
 with the padded SDPA). `write_kv` stores a step's keys and values into their pages in one
 pass. Callers check `cpu_build.available()` first (`write_kv` checks it itself).
 
-<<<<<<< HEAD
-Both attention kernels take optional attention sinks (gpt-oss): one float32 logit per query
-head that joins the softmax denominator as a key with no value (the online softmax starts
-from max = sink, sum = 1).
-=======
 All three read a layer's cache `[blocks, 2, block_size, kv_heads, head_dim]` through its block
 stride: each page must be contiguous (`pages_contiguous`), but pages may lie further apart than
 one page, as they do when the pool packs several small-page layers into one pool page
 (cache/pool_layout.py; the layer's cache is then a strided view of the shared buffer).
->>>>>>> main
+
+Both attention kernels take optional attention sinks (gpt-oss): one float32 logit per query
+head that joins the softmax denominator as a key with no value (the online softmax starts
+from max = sink, sum = 1).
 """
 from __future__ import annotations
 

@@ -81,16 +81,6 @@ family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        adjust=_granite_hybrid)
 
-<<<<<<< HEAD
-def _gpt_oss(cfg: dict, spec: dict) -> None:
-    """gpt-oss: a learned sink logit per attention head (`self_attn.sinks`)."""
-    spec["attention"]["sinks"] = True
-
-
-# gpt-oss: sliding (window 128) / full layers from layer_types, q/k/v/o biases, attention
-# sinks, yarn rope; MoE of clamped-SwiGLU experts with biases, top-k-then-softmax router.
-family("gpt_oss", adjust=_gpt_oss)
-=======
 
 def lfm2_intermediate_size(cfg: dict) -> int:
     """LFM2's real MLP width, as HF's Lfm2MLP computes it from the config: with
@@ -143,7 +133,15 @@ def _olmo_hybrid(cfg: dict, spec: dict) -> None:
 family("olmo_hybrid", adjust=_olmo_hybrid,
        weight_names={"input_norm": "attention_layer_norm.weight", "post_attn_norm": "feedforward_layer_norm.weight"})
 
->>>>>>> main
+
+def _gpt_oss(cfg: dict, spec: dict) -> None:
+    """gpt-oss: a learned sink logit per attention head (`self_attn.sinks`)."""
+    spec["attention"]["sinks"] = True
+
+
+# gpt-oss: sliding (window 128) / full layers from layer_types, q/k/v/o biases, attention
+# sinks, yarn rope; MoE of clamped-SwiGLU experts with biases, top-k-then-softmax router.
+family("gpt_oss", adjust=_gpt_oss)
 
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.

@@ -1,18 +1,11 @@
-<<<<<<< HEAD
-// Argument checks shared by the paged attention ops (paged_decode, paged_prefill): CPU float32
-// q / out [T, H, D] with a contiguous last dim, one layer's contiguous paged cache
-// [blocks, 2 (K|V), block_size, kv_heads, head_dim], an int32 block table, optional float32 sinks
-// [heads]. Errors name the op.
-=======
 // Argument checks shared by the paged attention ops (paged_decode, paged_prefill, write_kv): CPU
 // float32 q / out [T, H, D] with a contiguous last dim, one layer's paged cache
 // [blocks, 2 (K|V), block_size, kv_heads, head_dim] whose pages are each contiguous, an int32
-// block table. Errors name the op.
+// block table, optional float32 sinks [heads]. Errors name the op.
 //
 // Pages need not be adjacent: when the pool packs several layers' pages into one pool page
 // (cache/pool_layout.py), a layer's cache is a view whose block stride is the pool page, not its
 // own page. The kernels step from block to block by `kv_cache.stride(0)` (`page_stride`).
->>>>>>> main
 #pragma once
 
 #include <ATen/ATen.h>
