@@ -82,7 +82,8 @@ class OpenAIServer:
         started = []
         try:
             for p_idx, prompt in enumerate(prompts):
-                req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}", cap_max_tokens=False)
+                req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}", cap_max_tokens=False,
+                                                            priority=body.priority)
                 started.append((p_idx, req, stream))
         except (ValueError, RequestFailedError) as e:
             for _, _, stream in started:
