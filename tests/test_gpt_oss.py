@@ -103,8 +103,23 @@ def test_yarn_matches_transformers(params):
     assert not torch.allclose(inv_freq, rope_inv_freq(RopeSpec(theta=150000.0), 64))   # yarn did something
 
 
-def test_real_dimensions():
+def test_real_dimensions(tmp_path):
+    """zoo/gpt-oss-20b.yaml has the published model's dimensions: its parameter count is
+    gpt-oss-20b's 20.9B, and the importer reads the published config.json to the same spec."""
+    from transformers import GptOssConfig
+
+    from models.builder import CausalLM
+    from models.import_hf import spec_from_hf_dir
     spec = load_spec("zoo/gpt-oss-20b.yaml")
+    with torch.device("meta"):
+        assert round(sum(p.numel() for p in CausalLM(spec).parameters()) / 1e9, 2) == 20.91
+    GptOssConfig(num_hidden_layers=24, num_local_experts=32, eos_token_id=200002, pad_token_id=199999,
+                 dtype="bfloat16").save_pretrained(tmp_path)
+    imported = spec_from_hf_dir(tmp_path)
+    assert imported.layer_kinds == spec.layer_kinds
+    for field in ("vocab_size", "hidden_size", "attention", "mlp", "moe", "norm", "rope", "dtype",
+                  "max_model_len"):
+        assert getattr(imported, field) == getattr(spec, field), field
     a, m = spec.attention, spec.moe
     assert (spec.hidden_size, spec.num_layers, spec.vocab_size) == (2880, 24, 201088)
     assert (a.num_heads, a.num_kv_heads, a.head_dim, a.sliding_window, a.sinks) == (64, 8, 64, 128, True)
