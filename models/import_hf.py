@@ -200,6 +200,17 @@ family("olmo_hybrid", adjust=_olmo_hybrid,
        weight_names={"input_norm": "attention_layer_norm.weight", "post_attn_norm": "feedforward_layer_norm.weight"})
 
 
+def _gpt_oss(cfg: dict, spec: dict) -> None:
+    """gpt-oss: a learned sink logit per attention head (`self_attn.sinks`)."""
+    spec["attention"]["sinks"] = True
+
+
+# gpt-oss: sliding (window 128) / full layers from layer_types, q/k/v/o biases, attention
+# sinks, yarn rope; MoE of clamped-SwiGLU experts with biases, top-k-then-softmax router.
+family("gpt_oss", adjust=_gpt_oss, weight_names={"moe_router": "router"},
+       moe={"scoring": "topk_softmax", "router_bias": True, "expert_bias": True, "activation": "swiglu_clamped",
+            "expert_layout": "fused_transposed", "gate_up_interleaved": True})
+
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.
 _UNSUPPORTED = {
@@ -276,9 +287,12 @@ def _rope(cfg: dict, params: dict | None = None) -> dict:
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf is not None:
         rope["partial_rotary_factor"] = float(prf)
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        if key in params:
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "beta_fast", "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"):
+        if params.get(key) is not None:
             rope[key] = params[key]
+    if rope["type"] == "yarn" and "factor" not in rope and "original_max_position_embeddings" in rope:
+        rope["factor"] = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]   # as HF
     return rope
 
 

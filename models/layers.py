@@ -105,7 +105,45 @@ def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
+    elif rope.type == "yarn":
+        inv_freq = _yarn_inv_freq(rope, rotary_dim, inv_freq)
     return inv_freq
+
+
+def _yarn_inv_freq(rope: RopeSpec, rotary_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071, as transformers' `_compute_yarn_parameters`): dims that turn
+    more than `beta_fast` times over the original context keep their frequency (extrapolate),
+    dims that turn fewer than `beta_slow` times are slowed by `factor` (interpolate), and a
+    linear ramp over the dims in between blends the two."""
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+            / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001   # no singular ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+
+
+def rope_attention_factor(rope: RopeSpec) -> float:
+    """What cos and sin are scaled by (so q.k by its square): YaRN's attention temperature,
+    1 for the other rope types. Unset, it is 0.1 ln(factor) + 1, or with DeepSeek's `mscale`
+    and `mscale_all_dim` the ratio of that formula at the two."""
+    if rope.type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+
+    def mscale(m: float = 1.0) -> float:
+        return 1.0 if rope.factor <= 1 else 0.1 * m * math.log(rope.factor) + 1.0
+
+    if rope.mscale and rope.mscale_all_dim:
+        return mscale(rope.mscale) / mscale(rope.mscale_all_dim)
+    return mscale()
 
 
 class RotaryEmbedding(nn.Module):
@@ -123,6 +161,9 @@ class RotaryEmbedding(nn.Module):
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = rope_inv_freq(self.rope, self.rotary_dim)
         freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        scale = rope_attention_factor(self.rope)
+        if scale != 1.0:
+            return freqs.cos() * scale, freqs.sin() * scale
         return freqs.cos(), freqs.sin()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -145,7 +186,10 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     """Full or sliding-window attention (the window lives in the layer's KV cache group,
-    which the backend plans per step; the layer itself only picks its rope)."""
+    which the backend plans per step; the layer itself only picks its rope). With
+    `attention.sinks` (gpt-oss) each head has a learned logit `sinks[h]` that joins the
+    softmax denominator as a key with no value, so a query may attend to "nothing"; every
+    backend takes it through the attention op."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -164,6 +208,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.k_norm = RMSNorm(k_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.rotary = rotary
+        self.sinks = nn.Parameter(torch.zeros(a.num_heads)) if a.sinks else None
         self.scale = a.scale if a.scale is not None else (a.query_pre_attn_scalar or a.head_dim) ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -181,7 +226,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention_op()(q, k, v, kv_cache, self.layer_id, self.scale)   # v: a strided view; backends take it
+        o = paged_attention_op()(q, k, v, kv_cache, self.layer_id, self.scale, self.sinks)   # v: a strided view; backends take it
         o = o.view(-1, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)

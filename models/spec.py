@@ -29,7 +29,7 @@ from models.moe_spec import MoESpec, validate_moe   # the `moe:` section (re-exp
 # A spec's `dtype` name -> the torch dtype the builder and the engine use.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
-ROPE_TYPES = ("default", "linear", "llama3", "none")   # none: no positional rotation (Granite 4.0-H)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "none")   # none: no positional rotation (Granite 4.0-H)
 
 
 class SpecError(ValueError):
@@ -49,6 +49,8 @@ class AttentionSpec:
     sliding_window: int | None = None          # W for sliding_attention layers
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not head_dim**-0.5
     qk_norm_all_heads: bool = False   # OLMo 2/3: the q/k norms span the whole projection, not each head
+    sinks: bool = False         # gpt-oss: a learned logit per head joins the softmax denominator
+                                # (a virtual key with no value), loaded from `self_attn.sinks`
 
 
 @dataclass(slots=True)
@@ -75,6 +77,12 @@ class RopeSpec:
     low_freq_factor: float = 1.0          # llama3 scaling
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0               # yarn: the ramp between extrapolated and interpolated dims
+    beta_slow: float = 1.0
+    truncate: bool = True                 # yarn: round the ramp's ends to whole dims
+    attention_factor: float | None = None  # yarn: cos/sin scale (None: 0.1 ln(factor) + 1, or the mscale ratio)
+    mscale: float | None = None           # yarn (DeepSeek): attention_factor = mscale(factor, mscale) /
+    mscale_all_dim: float | None = None   #   mscale(factor, mscale_all_dim) when both are set
 
 
 FFN_KINDS = ("mlp", "moe", "none")
