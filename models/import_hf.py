@@ -61,6 +61,17 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
                        "mlp_only_layers": list(cfg.get("mlp_only_layers") or [])}
 
 
+def _deepseek_v3(cfg: dict, spec: dict) -> None:
+    """DeepSeek-V3: MLA in every layer (its `mla:` section from the kind's reader); the
+    first `first_k_dense_replace` layers have dense MLPs, the rest MoE."""
+    spec["layers"] = {"num": cfg["num_hidden_layers"], "pattern": ["mla"]}
+    KINDS["mla"].import_hf(cfg, spec)
+    num, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace") or 0
+    if cfg.get("n_routed_experts") and dense < num:
+        raise SpecError(f"first_k_dense_replace: {dense} < num_hidden_layers {num}: deepseek_v3 MoE layers "
+                        "are not supported yet (all-dense configs load)")
+
+
 family("llama")
 family("mistral")
 family("qwen2", qkv_bias=True)
@@ -80,6 +91,8 @@ family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
 # block_sparse_moe / shared_mlp sit on the layer.
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        adjust=_granite_hybrid)
+# DeepSeek-V3: multi-head latent attention (mla) everywhere, dense MLPs then MoE.
+family("deepseek_v3", adjust=_deepseek_v3)
 
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.
@@ -98,9 +111,12 @@ def _rope(cfg: dict, params: dict | None = None) -> dict:
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf is not None:
         rope["partial_rotary_factor"] = float(prf)
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        if key in params:
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "attention_factor"):
+        if params.get(key) is not None:
             rope[key] = params[key]
+    if rope["type"] == "yarn" and "factor" not in rope and "original_max_position_embeddings" in rope:
+        rope["factor"] = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]   # as HF does
     return rope
 
 

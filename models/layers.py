@@ -104,7 +104,36 @@ def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
+    elif rope.type == "yarn":
+        # Dims rotating fewer than beta_slow times over the original context are interpolated
+        # (divided by `factor`), those rotating more than beta_fast times kept, a linear ramp between.
+        def band_edge(rotations: float) -> float:
+            return rotary_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+                2 * math.log(rope.theta))
+        low, high = band_edge(rope.beta_fast), band_edge(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        pos_freqs = rope.theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+        inv_freq = 1.0 / (rope.factor * pos_freqs) * ramp + (1.0 / pos_freqs) * (1 - ramp)
     return inv_freq
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope: RopeSpec) -> float:
+    """What cos/sin are multiplied by (yarn; 1 for the other types), as HF's rope init computes it."""
+    if rope.type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -122,6 +151,9 @@ class RotaryEmbedding(nn.Module):
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = rope_inv_freq(self.rope, self.rotary_dim)
         freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        factor = rope_attention_factor(self.rope)
+        if factor != 1.0:
+            return freqs.cos() * factor, freqs.sin() * factor
         return freqs.cos(), freqs.sin()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

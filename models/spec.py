@@ -28,7 +28,7 @@ from models.activations import ACTIVATIONS
 # A spec's `dtype` name -> the torch dtype the builder and the engine use.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
-ROPE_TYPES = ("default", "linear", "llama3", "none")   # none: no positional rotation (Granite 4.0-H)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "none")   # none: no positional rotation (Granite 4.0-H)
 
 
 class SpecError(ValueError):
@@ -72,6 +72,12 @@ class RopeSpec:
     low_freq_factor: float = 1.0          # llama3 scaling
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0               # yarn: rotations bounding the blended band of dims
+    beta_slow: float = 1.0
+    truncate: bool = True                 # yarn: round the band to whole dims
+    mscale: float = 0.0                   # yarn: cos/sin scaled by mscale(factor, mscale) /
+    mscale_all_dim: float = 0.0           #   mscale(factor, mscale_all_dim) when both are set
+    attention_factor: float | None = None  # yarn: that cos/sin scale, when given outright
 
 
 @dataclass(slots=True)

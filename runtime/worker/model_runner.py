@@ -97,7 +97,10 @@ class ModelRunner:
             if s.page_size_bytes != cfg.page_size_bytes:
                 raise ValueError("KV cache groups with different page sizes are not supported yet "
                                  f"({s.page_size_bytes} vs {cfg.page_size_bytes} bytes)")
-            shape = self.backend.kv_cache_shape(cfg.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
+            if hasattr(s, "cache_shape"):       # a spec with its own layout (MLASpec: one latent row per token)
+                shape = s.cache_shape(cfg.num_blocks)
+            else:
+                shape = self.backend.kv_cache_shape(cfg.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
             for j, layer in enumerate(group.layer_ids):
                 caches[layer] = typed[j].view(shape)
         return caches
