@@ -1,0 +1,169 @@
+"""DeepSeek-V3 and the `mla` kind: tiny HF DeepseekV3ForCausalLM checkpoints loaded with
+`LLM(hf_dir)` give HF's greedy tokens in every regime of the zoo harness (fp32, CPU), their
+logprobs match HF's logits to fp32 tolerance, and the KV pool holds per token only the
+latent row (kv_lora_rank + qk_rope_head_dim values per layer).
+
+Variants: all-dense (first_k_dense_replace = num_hidden_layers) with a q bottleneck, yarn rope
+whose mscale differs from mscale_all_dim (cos/sin and softmax both scaled) and interleaved
+rope dims; queries straight from hidden states with biases and neox rope; Kimi-Linear's
+NoPE MLA (rope off) on all-attention layers.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+
+from cache.kv_cache_spec import MLASpec
+from models import build_model, load_spec
+from models.builder import DTYPES
+from models.import_hf import spec_dict_from_hf_config, spec_from_hf_dir
+from models.spec import SpecError
+from runtime import LLM, SamplingParams
+from tests import zoo_parity
+from tests.conftest import TINY_VOCAB
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 0.8}
+LATENT, ROPE, LAYERS = 16, 8, 2
+
+
+def _config(**over):
+    from transformers import DeepseekV3Config
+    fields = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                  num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=24,
+                  kv_lora_rank=LATENT, qk_nope_head_dim=8, qk_rope_head_dim=ROPE, v_head_dim=12,
+                  first_k_dense_replace=LAYERS, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                  max_position_embeddings=512, rope_parameters=YARN, initializer_range=0.2,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    return DeepseekV3Config(**{**fields, **over})
+
+
+def _model(config):
+    from transformers import DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    return DeepseekV3ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """All layers dense: the MLA kind alone."""
+    return zoo_parity.reference(_model(_config()), tmp_path_factory.mktemp("ds-dense"))
+
+
+@pytest.fixture(scope="module")
+def direct_q(tmp_path_factory):
+    """q_lora_rank null (q_proj), attention biases, plain rope, rope dims not interleaved."""
+    config = _config(q_lora_rank=None, attention_bias=True, rope_interleave=False,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return zoo_parity.reference(_model(config), tmp_path_factory.mktemp("ds-direct"))
+
+
+@pytest.mark.parametrize("regime", zoo_parity.REGIMES)
+def test_dense_parity(dense, regime):
+    zoo_parity.check_regime(dense, regime)
+
+
+@pytest.mark.parametrize("regime", ["default", "chunked", "prefix_1"])
+def test_direct_q_parity(direct_q, regime):
+    zoo_parity.check_regime(direct_q, regime)
+
+
+def test_logprobs_match_hf_logits(dense):
+    """The engine's greedy logprobs equal log_softmax of HF's logits over the whole sequence
+    (one HF forward, no cache) to fp32 tolerance: prefill and every decode step."""
+    from transformers import DeepseekV3ForCausalLM
+    hf = DeepseekV3ForCausalLM.from_pretrained(dense.path).eval()
+    llm = LLM(dense.path)
+    prompts = dense.prompts[1:5]
+    params = SamplingParams(temperature=0, max_tokens=10, min_tokens=10, logprobs=1)
+    for p, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        tokens = out.outputs[0].token_ids
+        with torch.no_grad():
+            logits = hf(torch.tensor([p + tokens])).logits[0, len(p) - 1: -1].float()
+        want = logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+        got = torch.tensor([lp[t].logprob for lp, t in zip(out.outputs[0].logprobs, tokens)])
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_importer_reads_mla_and_yarn(dense):
+    spec = spec_from_hf_dir(dense.path)
+    assert spec.layer_kinds == ["mla"] * LAYERS and all(spec.ffn_kind(i) == "mlp" for i in range(LAYERS))
+    m = spec.mla
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (24, LATENT, 8, ROPE, 12)
+    assert m.rope_interleave and spec.attention.head_dim == ROPE
+    r = spec.rope
+    assert (r.type, r.factor, r.original_max_position_embeddings, r.mscale, r.mscale_all_dim) == ("yarn", 8.0, 64, 1.0, 0.8)
+
+
+def test_moe_layers_before_the_moe_reader_fail_in_one_line(tmp_path):
+    _model(_config(first_k_dense_replace=1)).save_pretrained(tmp_path)
+    with pytest.raises(SpecError, match="first_k_dense_replace: 1 < num_hidden_layers 2"):
+        spec_from_hf_dir(tmp_path)
+
+
+def test_pool_holds_only_the_latent(dense):
+    """One group of MLASpec layers; a token costs layers * (kv_lora_rank + rope) * 4 bytes,
+    and each layer's cache view is [blocks, block_size, latent | k_pe]."""
+    llm = LLM(dense.path)
+    config = llm.engine.kv_manager.config
+    assert [type(g.spec) for g in config.groups] == [MLASpec]
+    assert config.bytes_per_block == config.block_size * LAYERS * (LATENT + ROPE) * 4
+    assert all(c.shape == (config.num_blocks, config.block_size, LATENT + ROPE) for c in llm.engine.runner.kv_caches)
+
+
+def _kv_bytes_per_token(path) -> int:
+    spec = load_spec(path)
+    specs = build_model(spec, device="meta").kv_cache_specs(16, DTYPES[spec.dtype])
+    return sum(s.page_size_bytes for s in specs.values()) // 16
+
+
+def test_zoo_kv_bytes_per_token():
+    """The zoo specs' pools as bench.memory sizes them: real DeepSeek-V3 caches 61 layers x
+    576 bf16 values a token (~69 KiB), where its 128 heads expanded into keys (192) and values
+    (128) would take ~71x more; the small variant likewise; a GQA model (SmolLM2-135M: 30
+    layers, 3 kv heads of 64, fp32) pays K and V per kv head."""
+    small = load_spec("zoo/deepseek-v3-small.yaml")
+    assert _kv_bytes_per_token("zoo/deepseek-v3-small.yaml") == small.num_layers * (
+        small.mla.kv_lora_rank + small.mla.qk_rope_head_dim) * 4
+    mla = _kv_bytes_per_token("zoo/deepseek-v3.yaml")
+    assert mla == 61 * (512 + 64) * 2
+    assert 61 * 128 * (192 + 128) * 2 / mla > 70
+    assert _kv_bytes_per_token("zoo/smollm2-135m.yaml") == 30 * 2 * 3 * 64 * 4
+
+
+@pytest.fixture(scope="module")
+def kimi_nope(tmp_path_factory):
+    """Kimi-Linear's MLA: no rope anywhere (the shared key part is used as it is), q_proj
+    straight from hidden states; every layer full attention with a dense MLP."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+    config = KimiLinearConfig(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=LATENT, q_lora_rank=None,
+                              qk_nope_head_dim=8, qk_rope_head_dim=ROPE, v_head_dim=12,
+                              layer_types=["full_attention"] * 2, mlp_layer_types=["dense"] * 2,
+                              model_max_length=512, initializer_range=0.2, bos_token_id=None, eos_token_id=None,
+                              pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("kimi-nope")
+    ref = zoo_parity.reference(KimiLinearForCausalLM(config).eval(), path)
+    cfg = json_config(path)
+    data = spec_dict_from_hf_config(cfg, path)
+    data["layers"] = {"num": 2, "pattern": ["mla"]}
+    data["rope"] = {"type": "none"}
+    # HF saves Kimi's dense MLPs under block_sparse_moe.
+    data["weight_names"] = {k: f"block_sparse_moe.{k}_proj" for k in ("gate", "up", "down")}
+    from models.kinds import KINDS
+    KINDS["mla"].import_hf(cfg, data)
+    (path / "spec.yaml").write_text(yaml.safe_dump(data))
+    ref.path = path / "spec.yaml"
+    return ref
+
+
+def json_config(path):
+    import json
+    return json.loads((path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("regime", ["default", "chunked", "prefix_1"])
+def test_kimi_nope_parity(kimi_nope, regime):
+    zoo_parity.check_regime(kimi_nope, regime)
