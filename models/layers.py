@@ -115,8 +115,9 @@ def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
             low, high = math.floor(low), math.ceil(high)
         low, high = max(low, 0), min(high, rotary_dim - 1)
         ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        keep = 1 - ramp         # the share of the original frequency (HF's order of operations, bit for bit)
         pos_freqs = rope.theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
-        inv_freq = 1.0 / (rope.factor * pos_freqs) * ramp + (1.0 / pos_freqs) * (1 - ramp)
+        inv_freq = 1.0 / (rope.factor * pos_freqs) * (1 - keep) + (1.0 / pos_freqs) * keep
     return inv_freq
 
 

@@ -167,3 +167,25 @@ def json_config(path):
 @pytest.mark.parametrize("regime", ["default", "chunked", "prefix_1"])
 def test_kimi_nope_parity(kimi_nope, regime):
     zoo_parity.check_regime(kimi_nope, regime)
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+     "mscale": 1.0, "mscale_all_dim": 1.0},                                  # DeepSeek-V3
+    {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+     "truncate": False},                                                    # GPT-OSS style
+    {"factor": 8.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.8},
+])
+def test_yarn_tables_equal_hf(params):
+    """Our yarn frequencies and cos/sin scale are HF's (`ROPE_INIT_FUNCTIONS['yarn']`)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.import_hf import _rope
+    from models.layers import rope_attention_factor, rope_inv_freq
+    from models.spec import RopeSpec
+    config = _config(max_position_embeddings=163840, qk_rope_head_dim=64,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **params})
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    rope = RopeSpec(**_rope(config.to_dict()))
+    assert torch.equal(rope_inv_freq(rope, 64), want)
+    assert rope_attention_factor(rope) == pytest.approx(want_factor, rel=1e-12)
