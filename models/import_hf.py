@@ -64,7 +64,8 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
 def _deepseek_v3(cfg: dict, spec: dict) -> None:
     """DeepSeek-V3: MLA in every layer (its `mla:` section from the kind's reader); the
     first `first_k_dense_replace` layers have dense MLPs, the rest MoE."""
-    spec["layers"] = {"num": cfg["num_hidden_layers"], "pattern": ["mla"]}
+    spec["layers"].pop("kinds", None)
+    spec["layers"]["pattern"] = ["mla"]
     KINDS["mla"].import_hf(cfg, spec)
     num, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace") or 0
     if cfg.get("n_routed_experts") and dense < num:
