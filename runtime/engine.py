@@ -148,6 +148,8 @@ class Engine:
         params.validate()
         params.validate_for_model(self.spec.vocab_size)
         text, ids = self.tokenize(prompt)
+        if params.bad_words:
+            self._tokenize_bad_words(params)
         if not ids:
             raise ParamError("prompt is empty", "prompt")
         vocab = self.spec.vocab_size
@@ -172,6 +174,19 @@ class Engine:
         if salt is not None:
             check_text(salt, "cache_salt")
         return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text, cache_salt=salt)
+
+    def _tokenize_bad_words(self, params: SamplingParams) -> None:
+        """Each bad word as the tokenizer spells it alone and after a space (vLLM's rule)."""
+        if self.tokenizer is None:
+            raise ParamError("bad_words: this model has no tokenizer to spell them with", "bad_words")
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            check_text(word, "bad_words")
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        params.bad_words_token_ids = seqs
 
     def add_request(self, request: Request, stream_text: bool = False) -> list[str]:
         """Schedule a request; with n > 1 it becomes n samples (`parallel_sampling.fan_out`:
@@ -301,7 +316,8 @@ class Engine:
                                       req.status.finish_reason, req.stop_reason)
         if finished:
             self._detok.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""

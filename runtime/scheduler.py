@@ -232,6 +232,8 @@ class Scheduler:
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
                 hit = self.kv.reuse_prefix(req.request_id, req.block_hashes, req.num_tokens)
                 req.num_computed_tokens = hit
+                if not req.num_preemptions:     # what the client is told: the first admission's hit
+                    req.num_cached_tokens = hit
             num_new = self._chunk(req, budget)
             new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
                                              req.num_computed_tokens)

@@ -27,8 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runtime import tokenize_api
 from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from runtime.http_guards import ApiKeyAuth, BodyGuard, SafeJSONResponse
+from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, SafeJSONResponse
 from runtime.limits import ParamError, short_repr
 from runtime.metrics import ServerMetrics
 from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
@@ -149,10 +150,14 @@ class OpenAIServer:
 
     @staticmethod
     def usage(started, finals) -> dict:
-        """OpenAI counts a prompt once however many samples it has."""
+        """OpenAI counts a prompt once however many samples it has; `cached_tokens` is the
+        prompt tokens the prefix cache served (sample 0's, at its first admission)."""
+        finals = list(finals)
         prompt = sum(len(req.prompt_token_ids) for _, req, _ in started)
         done = sum(len(out.outputs[0].token_ids) for out in finals)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        cached = sum(out.num_cached_tokens for out in finals if out.outputs[0].index == 0)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     @staticmethod
     def _held_back(body, text: str, finished: bool) -> int:
@@ -192,14 +197,39 @@ class OpenAIServer:
         if body.stream:
             return StreamingResponse(self._stream_completion(body, started, head), media_type="text/event-stream")
         finals = await self.collect(raw, started, body.n)
-        choices = [{"index": i, "text": out.outputs[0].text, "logprobs": self.completion_logprobs(out, body.logprobs),
-                    "finish_reason": out.outputs[0].finish_reason} for i, out in sorted(finals.items())]
+        echo = self._echo(body, started)
+        choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
+                    "logprobs": self.completion_logprobs(out, body.logprobs),
+                    "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out)}
+                   for i, out in sorted(finals.items())]
         return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
 
+    def _echo(self, body, started) -> dict[int, str]:
+        """Prompt index -> its text, when the client asked for `echo`."""
+        if not body.echo:
+            return {}
+        return {p: req.prompt if req.prompt is not None else self.tokenizer.decode(req.prompt_token_ids)
+                for p, req, _ in started}
+
+    @staticmethod
+    def _token_ids(body, out: RequestOutput, prompt: bool = True) -> dict:
+        """vLLM's `return_token_ids` fields of one choice."""
+        if not body.return_token_ids:
+            return {}
+        return {"token_ids": list(out.outputs[0].token_ids),
+                **({"prompt_token_ids": list(out.prompt_token_ids)} if prompt else {})}
+
     def _stream_completion(self, body, started, head) -> AsyncIterator[str]:
+        echo, echoed = self._echo(body, started), set()
+
+        def choice(delta: str, i: int) -> dict:
+            if i not in echoed:             # the prompt goes out ahead of a choice's first text
+                echoed.add(i)
+                delta = echo.get(i // body.n, "") + delta
+            return {"text": delta}
+
         return self._stream(body, started, head,
-                            lambda out, start: self.completion_logprobs(out, body.logprobs, start),
-                            lambda delta: {"text": delta})
+                            lambda out, start: self.completion_logprobs(out, body.logprobs, start), choice)
 
     # ------------------------------------------------------------- /v1/chat/completions
     def chat_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
@@ -224,7 +254,10 @@ class OpenAIServer:
         except ParamError as e:
             raise _bad_param(e) from None
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, chat_template=body.chat_template,
+                **(body.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
             raise APIError(400, f"chat template failed: {short_repr(str(e), 200)}", "messages") from None
         # The template already holds the special tokens: by default encode without adding more.
@@ -237,9 +270,11 @@ class OpenAIServer:
             return StreamingResponse(self._stream_chat(body, started, head), media_type="text/event-stream")
         finals = await self.collect(raw, started, body.n)
         choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
-                    "logprobs": self.chat_logprobs(out, body.top_logprobs), "finish_reason": out.outputs[0].finish_reason}
+                    "logprobs": self.chat_logprobs(out, body.top_logprobs), "finish_reason": out.outputs[0].finish_reason,
+                    **self._token_ids(body, out, prompt=False)}
                    for i, out in sorted(finals.items())]
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
+        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
 
     async def _stream_chat(self, body, started, head) -> AsyncIterator[str]:
         for i in range(len(started) * body.n):
@@ -247,7 +282,7 @@ class OpenAIServer:
                                              "logprobs": None, "finish_reason": None}]})
         async for event in self._stream(body, started, head,
                                         lambda out, start: self.chat_logprobs(out, body.top_logprobs, start),
-                                        lambda delta: {"delta": {"content": delta} if delta else {}}):
+                                        lambda delta, i: {"delta": {"content": delta} if delta else {}}):
             yield event
 
     async def _stream(self, body, started, head, logprobs, choice) -> AsyncIterator[str]:
@@ -265,7 +300,7 @@ class OpenAIServer:
                 if delta or out.finished or (lp and next(iter(lp.values()))):
                     sent_text[i] = max(upto, sent_text.get(i, 0))
                     sent_tokens[i] = len(c.token_ids)
-                    yield _sse({**head, "choices": [{"index": i, **choice(delta), "logprobs": lp,
+                    yield _sse({**head, "choices": [{"index": i, **choice(delta, i), "logprobs": lp,
                                                      "finish_reason": c.finish_reason if out.finished else None}]})
                 if out.finished:
                     finals.append(out)
@@ -322,6 +357,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app.post("/v1/completions")(server.completions)
     app.post("/v1/chat/completions")(server.chat)
     app.get("/v1/models")(server.models)
+    tokenize_api.add_routes(app, server, APIError)
 
     @app.get("/health")
     async def health():
@@ -338,6 +374,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     if api_key:
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(BodyGuard, max_bytes=max_body_bytes, timeout=body_timeout)
+    app.add_middleware(RequestIdHeader)
     return app
 
 

@@ -21,6 +21,7 @@ from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
+from runtime.worker.logits_processors import LogitsEdits
 from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
 from runtime.worker.step_plan import StepBatch, plan_layers
@@ -226,7 +227,7 @@ class ModelRunner:
             return ModelRunnerOutput({}, None)
         meta = self._sampling_metadata(sample_rows)
         hidden = hidden[logits_index]
-        if meta.all_greedy and meta.banned is None and meta.max_logprobs is None:
+        if meta.all_greedy and meta.banned is None and meta.edits is None and meta.max_logprobs is None:
             # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
             out = SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
         else:
@@ -257,7 +258,8 @@ class ModelRunner:
         k = int(b.logprobs[rows].max())
         meta = SamplingMetadata(temperature=torch.from_numpy(temperature).to(self.device), top_k=None, top_p=None,
                                 min_p=None, generators={}, all_greedy=all_greedy, banned=banned,
-                                max_logprobs=None if k < 0 else k)
+                                max_logprobs=None if k < 0 else k,
+                                edits=LogitsEdits.build(b, rows, self.model.spec.vocab_size, self.device))
         if not all_greedy:   # the filters only matter to sampled rows
             top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
             meta.top_k = torch.from_numpy(top_k).to(self.device) if top_k.any() else None

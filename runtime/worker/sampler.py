@@ -14,6 +14,7 @@ import torch
 
 from kernels import lm_head
 from kernels.lm_head import GreedyHead
+from runtime.worker.logits_processors import LogitsEdits
 
 
 @dataclass(slots=True)
@@ -25,6 +26,7 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]   # row -> per-request generator (seeded rows)
     all_greedy: bool
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    edits: LogitsEdits | None = None   # penalties, logit_bias, allowed_token_ids (None: no row has any)
     max_logprobs: int | None = None    # top-k logprobs to return (None: none requested)
 
 
@@ -110,9 +112,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw = logits.float()
-        logits = raw
+        logits = raw if meta.edits is None else meta.edits.apply(raw)   # raw stays intact for logprobs
         if meta.banned is not None:
-            logits = raw.clone()       # keep the model's logits intact for logprobs
+            if logits is raw:
+                logits = raw.clone()
             rows, tokens = meta.banned
             logits[rows, tokens] = float("-inf")
         if meta.all_greedy:
