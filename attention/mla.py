@@ -31,7 +31,8 @@ from attention.torch_backend import _make_part, _Part
 @dataclass(slots=True)
 class MLAPlan:
     """One step of one MLA group: where each new token's row goes, and the padded parts."""
-    slot_mapping: torch.Tensor      # [num_tokens] int64 flat cache row of each token
+    slot_block: torch.Tensor        # [num_tokens] int64 block of each new token's row
+    slot_offset: torch.Tensor       # [num_tokens] int64 its row in that block
     parts: list[_Part]              # decodes, then prefill chunks (each absent when empty)
 
     @staticmethod
@@ -39,7 +40,8 @@ class MLAPlan:
         q_lens = layout.query_lens
         parts = [_make_part(layout, rows, device)
                  for rows in (np.flatnonzero(q_lens == 1), np.flatnonzero(q_lens > 1)) if len(rows)]
-        return MLAPlan(slot_mapping=layout.slot_mapping.to(device), parts=parts)
+        slots = layout.slot_mapping.to(device)
+        return MLAPlan(slot_block=slots // layout.block_size, slot_offset=slots % layout.block_size, parts=parts)
 
 
 def mla_attend(q: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor, layer_id: int,
@@ -48,17 +50,17 @@ def mla_attend(q: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor, l
 
     q: [num_tokens, num_heads, latent_dim + rope_dim] (absorbed queries); entries:
     [num_tokens, latent_dim + rope_dim] (normed latent | roped k_pe); kv_cache:
-    [num_blocks, block_size, latent_dim + rope_dim]. Returns [num_tokens, num_heads,
+    [num_blocks, block_size, latent_dim + rope_dim], blocks possibly further apart than a page
+    (packed pool pages: only whole blocks are indexed). Returns [num_tokens, num_heads,
     latent_dim]: the attention-weighted latents of every head."""
     plan: MLAPlan = get_forward_context().layer_meta[layer_id]
-    num_blocks, block_size, dim = kv_cache.shape
-    kv_cache.view(-1, dim).index_copy_(0, plan.slot_mapping, entries.to(kv_cache.dtype))
+    dim = kv_cache.shape[-1]
+    kv_cache.index_put_((plan.slot_block, plan.slot_offset), entries.to(kv_cache.dtype))
     num_heads = q.shape[1]
     out = q.new_empty(q.shape[0], num_heads, latent_dim)
-    pages = kv_cache.view(num_blocks, block_size * dim)
     for part in plan.parts:          # at most two: decodes, prefill chunks
         n, max_q = part.token_index.shape
-        keys = pages.index_select(0, part.pages).view(n, -1, dim).to(q.dtype)      # [n, K, dim]
+        keys = kv_cache.index_select(0, part.pages).view(n, -1, dim).to(q.dtype)   # [n, K, dim]
         queries = q[part.token_index].view(n, max_q * num_heads, dim)             # heads folded into rows
         scores = torch.bmm(queries, keys.transpose(1, 2)).view(n, max_q, num_heads, -1).float() * scale
         scores = scores.masked_fill(~part.mask.view(n, max_q, 1, -1), float("-inf"))

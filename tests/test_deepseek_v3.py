@@ -10,6 +10,7 @@ NoPE MLA (rope off) on all-attention layers.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -190,3 +191,29 @@ def test_yarn_tables_equal_hf(params):
     rope = RopeSpec(**_rope(config.to_dict()))
     assert torch.equal(rope_inv_freq(rope, 64), want)
     assert rope_attention_factor(rope) == pytest.approx(want_factor, rel=1e-12)
+
+
+def test_mla_op_reads_blocks_through_their_stride():
+    """The op takes a layer view whose blocks lie further apart than a page (a packed pool
+    page), writes only the token rows it is given and attends as on a contiguous cache."""
+    from attention import BatchLayout, ForwardContext, set_forward_context
+    from attention.mla import MLAPlan, mla_attend
+    g = torch.Generator().manual_seed(0)
+    blocks, bs, dim, latent, heads = 6, 4, 10, 8, 3
+    pool = torch.randn(blocks, 2, bs, dim, generator=g)       # two layers' pages per pool page
+    strided, packed = pool[:, 1], pool[:, 1].clone()
+    layout = BatchLayout(query_start_loc=np.array([0, 1, 4]), seq_lens=np.array([6, 3]),
+                         block_table=torch.tensor([[2, 4], [5, 0]], dtype=torch.int32),
+                         slot_mapping=torch.tensor([4 * 4 + 1, 5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2]), block_size=bs)
+    q, rows = torch.randn(4, heads, dim, generator=g), torch.randn(4, dim, generator=g)
+    other = pool[:, 0].clone()
+    outs = []
+    for cache in (strided, packed):
+        with set_forward_context(ForwardContext(None, {0: MLAPlan.build(layout, torch.device("cpu"))})):
+            outs.append(mla_attend(q, rows, cache, 0, latent, 0.3))
+    assert torch.equal(outs[0], outs[1]) and torch.equal(strided, packed)
+    assert torch.equal(pool[:, 0], other)                      # the other layer's pages untouched
+    # request 0's decode: keys at positions 0..5 = block 2 rows 0-3, block 4 rows 0-1
+    keys = torch.cat([packed[2], packed[4, :2]])
+    want = ((q[0] @ keys.T) * 0.3).softmax(-1) @ keys[:, :latent]
+    assert torch.allclose(outs[1][0], want, atol=1e-6)
