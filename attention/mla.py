@@ -28,6 +28,9 @@ from attention.context import get_forward_context
 from attention.torch_backend import _make_part, _Part
 
 
+SCORE_BYTES = 256 << 20     # the most float32 scores one batched product materialises
+
+
 @dataclass(slots=True)
 class MLAPlan:
     """One step of one MLA group: where each new token's row goes, and the padded parts."""
@@ -61,15 +64,22 @@ def mla_attend(q: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor, l
     for part in plan.parts:          # at most two: decodes, prefill chunks
         n, max_q = part.token_index.shape
         keys = kv_cache.index_select(0, part.pages).view(n, -1, dim).to(q.dtype)   # [n, K, dim]
-        queries = q[part.token_index].view(n, max_q * num_heads, dim)             # heads folded into rows
-        scores = torch.bmm(queries, keys.transpose(1, 2)).view(n, max_q, num_heads, -1).float() * scale
-        scores = scores.masked_fill(~part.mask.view(n, max_q, 1, -1), float("-inf"))
-        probs = scores.softmax(dim=-1).to(q.dtype).view(n, max_q * num_heads, -1)
-        o = torch.bmm(probs, keys[..., :latent_dim]).view(n, max_q, num_heads, latent_dim)
-        if part.valid is None:
-            out[part.token_index.view(-1)] = o.reshape(-1, num_heads, latent_dim)
-        else:
-            out[part.token_index[part.valid]] = o[part.valid]
+        # Query positions in tiles whose float32 scores stay within SCORE_BYTES (one tile
+        # for decodes and short chunks; long prefill chunks of wide models take several).
+        tile = max(1, SCORE_BYTES // (4 * n * num_heads * keys.shape[1]))
+        for q0 in range(0, max_q, tile):
+            index = part.token_index[:, q0: q0 + tile]
+            rows = index.shape[1]
+            queries = q[index].view(n, rows * num_heads, dim)                     # heads folded into rows
+            scores = torch.bmm(queries, keys.transpose(1, 2)).view(n, rows, num_heads, -1).float() * scale
+            scores = scores.masked_fill(~part.mask[:, 0, q0: q0 + tile, None], float("-inf"))
+            probs = scores.softmax(dim=-1).to(q.dtype).view(n, rows * num_heads, -1)
+            o = torch.bmm(probs, keys[..., :latent_dim]).view(n, rows, num_heads, latent_dim)
+            if part.valid is None:
+                out[index.reshape(-1)] = o.reshape(-1, num_heads, latent_dim)
+            else:
+                valid = part.valid[:, q0: q0 + tile]
+                out[index[valid]] = o[valid]
     return out
 
 

@@ -217,3 +217,10 @@ def test_mla_op_reads_blocks_through_their_stride():
     keys = torch.cat([packed[2], packed[4, :2]])
     want = ((q[0] @ keys.T) * 0.3).softmax(-1) @ keys[:, :latent]
     assert torch.allclose(outs[1][0], want, atol=1e-6)
+
+
+def test_long_chunks_attend_in_query_tiles(dense, monkeypatch):
+    """With a score budget of a few rows, prefill attends tile by tile: same tokens as HF."""
+    import attention.mla
+    monkeypatch.setattr(attention.mla, "SCORE_BYTES", 4 * 4 * 64 * 3)    # ~3 query rows of 4 heads x 64 keys
+    zoo_parity.check_regime(dense, "default")
