@@ -61,15 +61,15 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
                        "mlp_only_layers": list(cfg.get("mlp_only_layers") or [])}
 
 
-def _deepseek_v3(cfg: dict, spec: dict) -> None:
-    """DeepSeek-V3: MLA in every layer (its `mla:` section from the kind's reader); the
+def _deepseek_mla(cfg: dict, spec: dict) -> None:
+    """DeepSeek-V2/V3: MLA in every layer (its `mla:` section from the kind's reader); the
     first `first_k_dense_replace` layers have dense MLPs, the rest MoE."""
     spec["layers"].pop("kinds", None)
     spec["layers"]["pattern"] = ["mla"]
     KINDS["mla"].import_hf(cfg, spec)
     num, dense = cfg["num_hidden_layers"], cfg.get("first_k_dense_replace") or 0
     if cfg.get("n_routed_experts") and dense < num:
-        raise SpecError(f"first_k_dense_replace: {dense} < num_hidden_layers {num}: deepseek_v3 MoE layers "
+        raise SpecError(f"first_k_dense_replace: {dense} < num_hidden_layers {num}: DeepSeek MoE layers "
                         "are not supported yet (all-dense configs load)")
 
 
@@ -92,8 +92,10 @@ family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
 # block_sparse_moe / shared_mlp sit on the layer.
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        adjust=_granite_hybrid)
-# DeepSeek-V3: multi-head latent attention (mla) everywhere, dense MLPs then MoE.
-family("deepseek_v3", adjust=_deepseek_v3)
+# DeepSeek-V3: multi-head latent attention (mla) everywhere, dense MLPs then MoE. V2 is the
+# same attention (its complex-number rope rotates the same interleaved pairs).
+family("deepseek_v3", adjust=_deepseek_mla)
+family("deepseek_v2", adjust=_deepseek_mla)
 
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.

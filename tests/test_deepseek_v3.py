@@ -6,7 +6,7 @@ latent row (kv_lora_rank + qk_rope_head_dim values per layer).
 Variants: all-dense (first_k_dense_replace = num_hidden_layers) with a q bottleneck, yarn rope
 whose mscale differs from mscale_all_dim (cos/sin and softmax both scaled) and interleaved
 rope dims; queries straight from hidden states with biases and neox rope; Kimi-Linear's
-NoPE MLA (rope off) on all-attention layers.
+NoPE MLA (rope off) on all-attention layers; DeepSeek-V2 (complex-number rope, V2-Lite-style q).
 """
 from __future__ import annotations
 
@@ -224,3 +224,23 @@ def test_long_chunks_attend_in_query_tiles(dense, monkeypatch):
     import attention.mla
     monkeypatch.setattr(attention.mla, "SCORE_BYTES", 4 * 4 * 64 * 3)    # ~3 query rows of 4 heads x 64 keys
     zoo_parity.check_regime(dense, "default")
+
+
+@pytest.fixture(scope="module")
+def v2_dense(tmp_path_factory):
+    """DeepSeek-V2 (same MLA; rope through complex numbers on interleaved pairs), q_proj
+    straight from hidden states as in V2-Lite, all layers dense."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+    config = DeepseekV2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=LATENT,
+                              qk_nope_head_dim=8, qk_rope_head_dim=ROPE, v_head_dim=12, first_k_dense_replace=2,
+                              moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                              max_position_embeddings=512, initializer_range=0.2, bos_token_id=None,
+                              eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return zoo_parity.reference(DeepseekV2ForCausalLM(config).eval(), tmp_path_factory.mktemp("ds-v2"))
+
+
+@pytest.mark.parametrize("regime", ["default", "chunked", "prefix_3"])
+def test_v2_dense_parity(v2_dense, regime):
+    zoo_parity.check_regime(v2_dense, regime)
