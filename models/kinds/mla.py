@@ -28,6 +28,7 @@ from torch import nn
 
 from attention.mla import mla_attention_op
 from cache.kv_cache_spec import MLASpec
+from models.kinds.attention import forward      # mixer(positions, hidden, kv_cache), as attention's
 from models.kinds.base import Fail, LayerKind, Sources, linear_sources
 from models.layers import RMSNorm, RotaryEmbedding, yarn_mscale
 
@@ -133,15 +134,6 @@ def softmax_scale(spec: ModelSpec) -> float:
     return scale
 
 
-def make_mixer(spec: ModelSpec, layer_id: int, rotary: nn.Module) -> nn.Module:
-    return MLAttention(spec, layer_id, rotary)
-
-
-def forward(mixer: nn.Module, layer_id: int, positions: torch.Tensor, hidden: torch.Tensor,
-            kv_cache: torch.Tensor) -> torch.Tensor:
-    return mixer(positions, hidden, kv_cache)
-
-
 def cache_spec(spec: ModelSpec, mixer: nn.Module, block_size: int, dtype: torch.dtype) -> MLASpec:
     return MLASpec(block_size, kv_lora_rank=spec.mla.kv_lora_rank, rope_dim=spec.mla.qk_rope_head_dim, dtype=dtype)
 
@@ -189,6 +181,6 @@ def import_hf(cfg: dict, spec: dict) -> None:
     spec["attention"]["head_dim"] = cfg["qk_rope_head_dim"]
 
 
-KIND = LayerKind(name="mla", section="mla", section_spec=MLASection, attr="self_attn", make_mixer=make_mixer,
+KIND = LayerKind(name="mla", section="mla", section_spec=MLASection, attr="self_attn", make_mixer=MLAttention,
                  forward=forward, cache_spec=cache_spec, weight_names=WEIGHT_NAMES, weight_sources=weight_sources,
                  validate=validate, import_hf=import_hf)
