@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from runtime.limits import (INT64_MAX, MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N,
                             MAX_REPETITION_PENALTY, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
                             ParamError, is_int, sample_seed, short_repr)
+from runtime.structured_outputs import StructuredOutputsParams
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -45,6 +46,7 @@ class SamplingParams:
     bad_words: list[str] = field(default_factory=list)   # never completed: each word's last token is
                                                          # banned once the output ends with the rest
     bad_words_token_ids: list[list[int]] | None = None   # their tokenizations (the engine fills this)
+    structured_outputs: StructuredOutputsParams | None = None   # JSON / regex / choice / grammar
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -110,6 +112,10 @@ class SamplingParams:
             bad("allowed_token_ids", f"must be 1 to {MAX_ALLOWED_TOKENS} non-negative token ids")
         if len(self.bad_words) > MAX_STOP_STRINGS or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             bad("bad_words", f"must be at most {MAX_STOP_STRINGS} non-blank strings")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate("SamplingParams.structured_outputs")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", "must be a RequestOutputKind")
 

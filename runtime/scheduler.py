@@ -48,6 +48,9 @@ class SchedulerOutput:
     # Tokens appended from outside (`Scheduler.append_tokens`) to requests already in the
     # runner's batch, in order; the runner appends them to its rows before this step's inputs.
     appended_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: (request ids, one bitmask row each) of the constrained requests
+    # that sample this step; the engine fills it (runtime/structured_outputs.py).
+    grammar_bitmask: tuple | None = None
 
     @property
     def is_empty(self) -> bool:

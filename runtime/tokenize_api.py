@@ -21,7 +21,7 @@ from runtime.openai_protocol import ChatMessage
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
-    from runtime.serve import OpenAIServer
+    from runtime.openai_server import OpenAIServer
 
 
 class _Strict(BaseModel):

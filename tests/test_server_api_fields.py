@@ -3,6 +3,7 @@ tokens in usage, the chat-template controls and X-Request-Id."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -85,3 +86,36 @@ def test_request_id_header(served):
     assert r.headers["x-request-id"] == "trace-42"
     fresh = http.get("/health").headers["x-request-id"]
     assert len(fresh) == 32 and fresh != http.get("/health").headers["x-request-id"]
+
+
+def test_structured_outputs_over_http(served):
+    """The official client's response_format, and vLLM's structured_outputs / guided_* fields,
+    streaming included; compiled grammars are cached per schema."""
+    import openai
+    import jsonschema
+    http, _ = served
+    client = openai.OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="x", max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny-chat", messages=CHAT, response_format=fmt, max_tokens=60,
+                                           seed=seed, temperature=1.0)
+        c = r.choices[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), schema)
+    stream = client.chat.completions.create(model="tiny-chat", messages=CHAT, response_format=fmt, max_tokens=60,
+                                            seed=0, temperature=1.0, stream=True)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    whole = client.chat.completions.create(model="tiny-chat", messages=CHAT, response_format=fmt, max_tokens=60,
+                                           seed=0, temperature=1.0).choices[0].message.content
+    assert streamed == whole
+    pick = client.completions.create(model="tiny-chat", prompt="Pick:", max_tokens=8, temperature=1.0, seed=1,
+                                     extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert pick.choices[0].text in ("left", "right")
+    code = client.completions.create(model="tiny-chat", prompt="Code:", max_tokens=12, temperature=1.0, seed=2,
+                                     extra_body={"guided_regex": "[A-Z]{3}[0-9]{2}"})
+    assert re.fullmatch("[A-Z]{3}[0-9]{2}", code.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.completions.create(model="tiny-chat", prompt="x", max_tokens=2, extra_body={"guided_regex": "(["})

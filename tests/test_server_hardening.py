@@ -111,11 +111,20 @@ IGNORED = [
     ("completions", {"prompt": "hi", "echo": True, "logprobs": 2}, "echo"),
     ("chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
-    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("chat/completions", {"messages": CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "frob": 1}}}, "response_format"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"json": {"type": "object"}, "regex": "a"}},
+     "structured_outputs"),
+    ("completions", {"prompt": "hi", "guided_regex": "(", "guided_choice": ["a"]}, "guided_regex"),
+    ("completions", {"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("completions", {"prompt": "hi", "guided_json": {"type": "object", "properties": {"a": {"type": "frob"}}}},
+     "guided_json"),
     ("chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
-    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),                                  # auto, and this server has no tool parser
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}, {"type": "text", "text": "hi"}]}]},

@@ -14,6 +14,7 @@ import torch
 
 from kernels import lm_head
 from kernels.lm_head import GreedyHead
+from runtime.structured_outputs import apply_bitmask
 from runtime.worker.logits_processors import LogitsEdits
 
 
@@ -27,6 +28,7 @@ class SamplingMetadata:
     all_greedy: bool
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
     edits: LogitsEdits | None = None   # penalties, logit_bias, allowed_token_ids (None: no row has any)
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, int32 bitmask rows): structured outputs
     max_logprobs: int | None = None    # top-k logprobs to return (None: none requested)
 
 
@@ -118,6 +120,10 @@ class Sampler:
                 logits = raw.clone()
             rows, tokens = meta.banned
             logits[rows, tokens] = float("-inf")
+        if meta.grammar is not None:
+            if logits is raw:
+                logits = raw.clone()
+            apply_bitmask(logits, *meta.grammar)
         if meta.all_greedy:
             sampled = self.greedy_head.argmax(logits)
         else:
