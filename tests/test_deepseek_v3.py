@@ -244,3 +244,53 @@ def v2_dense(tmp_path_factory):
 @pytest.mark.parametrize("regime", ["default", "chunked", "prefix_3"])
 def test_v2_dense_parity(v2_dense, regime):
     zoo_parity.check_regime(v2_dense, regime)
+
+
+HYBRID = """
+name: mla-hybrid
+vocab_size: 256
+hidden_size: 64
+layers: {num: 6, pattern: [mla, mla, full_attention]}
+attention: {num_heads: 4, num_kv_heads: 2, head_dim: 8}
+mla: {kv_lora_rank: 8, qk_nope_head_dim: 8, qk_rope_head_dim: 8, v_head_dim: 12, q_lora_rank: 16}
+mlp: {intermediate_size: 96}
+max_model_len: 96
+checkpoint: {source: dummy, seed: 3, init_std: 0.2}
+"""
+
+
+def test_mla_beside_attention_in_packed_pages_matches_full_recompute(tmp_path, monkeypatch):
+    """MLA pages (16 x 16 values) are half an attention page (K and V of 2 x 8): the pool
+    packs two MLA layers per pool page, so MLA layers see strided block views. Chunked,
+    batched, preempted greedy decoding equals recomputing every sequence from scratch in an
+    unpacked pool (one layer per pool page)."""
+    import functools
+
+    import runtime.engine
+    spec = tmp_path / "hybrid.yaml"
+    spec.write_text(HYBRID)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 17, 33, 50)]
+    new, one = 10, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    with monkeypatch.context() as m:
+        m.setattr(runtime.engine, "make_kv_cache_config", functools.partial(runtime.engine.make_kv_cache_config,
+                                                                            pack=False))
+        fresh, ref = LLM(spec, enable_prefix_caching=False), []
+    assert all(offset == 0 for _, offset in fresh.engine.kv_manager.config.layer_slots().values())
+    for p in prompts:
+        seq = list(p)
+        for _ in range(new):
+            seq += fresh.generate({"prompt_token_ids": seq}, one, use_tqdm=False)[0].outputs[0].token_ids
+        ref.append(seq[len(p):])
+    assert len({tuple(r) for r in ref}) == len(ref)
+    llm = LLM(spec, max_num_batched_tokens=9, num_kv_blocks=16)
+    cfg = llm.engine.kv_manager.config
+    mla = next(gid for gid, grp in enumerate(cfg.groups) if isinstance(grp.spec, MLASpec))
+    assert cfg.page_use(mla) == (cfg.bytes_per_block, cfg.bytes_per_block)     # packed, no padding
+    assert any(offset > 0 for _, offset in cfg.layer_slots().values())       # two MLA layers a pool page
+    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                       use_tqdm=False)]
+    assert got == ref
+    assert llm.kv_cache_stats()["num_preemptions"] > 0
+    zoo_parity.assert_all_free(llm)
