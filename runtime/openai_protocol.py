@@ -36,7 +36,7 @@ _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": _unset,
     "use_beam_search": _unset, "length_penalty": _is(1, 1.0), "truncate_prompt_tokens": _unset,
     "guided_decoding_backend": _unset, "logits_processors": _unset,
-    "return_tokens_as_token_ids": _unset, "priority": _is(0), "spaces_between_special_tokens": _is(True),
+    "return_tokens_as_token_ids": _unset, "spaces_between_special_tokens": _is(True),
 }
 _NOT_YET_COMPLETION = {**_NOT_YET_COMMON, "suffix": _unset}
 _NOT_YET_CHAT = {
@@ -84,6 +84,7 @@ class _Common(_Strict):
     allowed_token_ids: list[int] | None = None   # extension
     return_token_ids: bool = False      # extension (vLLM): prompt_token_ids and token_ids in the response
     bad_words: list[str] | None = None  # extension
+    priority: int = 0                   # extension: lower first, with --scheduling-policy priority
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* spellings; at most one of them (runtime/structured_outputs.py).
     response_format: dict[str, Any] | None = None

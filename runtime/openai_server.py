@@ -31,7 +31,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
 
 
-def _bad_param(e: ValueError) -> APIError:
+def bad_param(e: ValueError) -> APIError:
     """A 400 for a refused value; SamplingParams' messages lose their class prefix here."""
     message = str(e).removeprefix("SamplingParams.")
     return APIError(400, message, getattr(e, "param", None), "invalid_request")
@@ -77,19 +77,20 @@ class OpenAIServer:
                 await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured_outputs,
                                         body.structured_field)
         except ParamError as e:
-            raise _bad_param(e) from None
+            raise bad_param(e) from None
         base = uuid.uuid4().hex
         started = []
         try:
             for p_idx, prompt in enumerate(prompts):
-                req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}", cap_max_tokens=False)
+                req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}", cap_max_tokens=False,
+                                                            priority=body.priority)
                 started.append((p_idx, req, stream))
         except (ValueError, RequestFailedError) as e:
             for _, _, stream in started:
                 await stream.aclose()
             if isinstance(e, RequestFailedError):
                 raise
-            raise _bad_param(e) from None
+            raise bad_param(e) from None
         return base, started
 
     @staticmethod
@@ -187,7 +188,7 @@ class OpenAIServer:
         try:
             prompts = body.prompts()
         except ParamError as e:
-            raise _bad_param(e) from None
+            raise bad_param(e) from None
         base, started = await self.start(prompts, body, body.max_tokens, body.logprobs)
         rid, created = f"cmpl-{base}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -242,6 +243,22 @@ class OpenAIServer:
                             for t, d in zip(out.outputs[0].token_ids[start:], lps[start:])]}
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
+        base, started, mode = await self.start_chat(body)
+        rid, created = f"chatcmpl-{base}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
+        finals = await self.collect(raw, started, body.n)
+        choices = [{"index": i, **self._message(out, mode, "message"),
+                    "logprobs": self.chat_logprobs(out, body.top_logprobs), **self._token_ids(body, out, prompt=False)}
+                   for i, out in sorted(finals.items())]
+        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
+
+    async def start_chat(self, body: ChatCompletionRequest):
+        """Check a chat request, render it through the template (tools included) and enqueue
+        it; returns (call id, started, tool mode). /v1/responses comes through here too."""
         self.check_model(body.model)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -250,7 +267,7 @@ class OpenAIServer:
             messages = tool_calls.template_messages(body.template_messages())
             tools, mode = tool_calls.check_tools(body.tools, body.tool_choice)
         except ParamError as e:
-            raise _bad_param(e) from None
+            raise bad_param(e) from None
         if mode == "auto" and self.tool_parser is None:
             raise APIError(400, "tool_choice: 'auto' needs a tool parser for this model (tool_parser in its zoo "
                            "YAML, or --tool-call-parser); use 'required', 'none' or a named function", "tool_choice")
@@ -265,29 +282,23 @@ class OpenAIServer:
         prompt = {"prompt": text, "add_special_tokens": body.add_special_tokens}
         constraint = tool_calls.constraint(tools, mode) if mode else None
         base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k, constraint)
-        rid, created = f"chatcmpl-{base}", int(time.time())
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
-        if body.stream:
-            head["object"] = "chat.completion.chunk"
-            return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
-        finals = await self.collect(raw, started, body.n)
-        choices = [{"index": i, **self._message(out, mode, "message"),
-                    "logprobs": self.chat_logprobs(out, body.top_logprobs), **self._token_ids(body, out, prompt=False)}
-                   for i, out in sorted(finals.items())]
-        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
+        return base, started, mode
+
+    def parse_calls(self, out: RequestOutput, mode: str | None) -> tuple[str | None, list]:
+        """(content, tool calls) of a finished output under its tool mode."""
+        text = out.outputs[0].text
+        if mode == "auto":
+            return self.tool_parser.parse(text)
+        if mode not in (None, "none"):
+            calls = tool_calls.calls_from_constrained(mode, text)
+            return (None, calls) if calls else (text, [])   # cut off before complete: what it wrote
+        return text, []
 
     def _message(self, out: RequestOutput, mode: str | None, key: str) -> dict:
         """A choice's message (or final delta) and finish reason: with tools, the calls the
         text holds (parsed, or constrained by tool_choice) and the content around them."""
         c = out.outputs[0]
-        content, calls = c.text, []
-        if mode == "auto":
-            content, calls = self.tool_parser.parse(c.text)
-        elif mode not in (None, "none"):
-            content, calls = None, tool_calls.calls_from_constrained(mode, c.text)
-            if not calls:           # cut off before the call was complete: what it wrote
-                content = c.text
+        content, calls = self.parse_calls(out, mode)
         msg = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             msg["tool_calls"] = [call.to_openai(j if key == "delta" else None) for j, call in enumerate(calls)]

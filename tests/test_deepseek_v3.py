@@ -3,10 +3,12 @@
 logprobs match HF's logits to fp32 tolerance, and the KV pool holds per token only the
 latent row (kv_lora_rank + qk_rope_head_dim values per layer).
 
-Variants: all-dense (first_k_dense_replace = num_hidden_layers) with a q bottleneck, yarn rope
+Variants: DeepSeek-V3 proper (a dense layer, then group-limited sigmoid MoE layers with a
+shared expert); all-dense (first_k_dense_replace = num_hidden_layers) with a q bottleneck, yarn rope
 whose mscale differs from mscale_all_dim (cos/sin and softmax both scaled) and interleaved
 rope dims; queries straight from hidden states with biases and neox rope; Kimi-Linear's
-NoPE MLA (rope off) on all-attention layers; DeepSeek-V2 (complex-number rope, V2-Lite-style q).
+NoPE MLA (rope off) on all-attention layers; DeepSeek-V2 (complex-number rope, V2-Lite-style q,
+greedy softmax MoE).
 """
 from __future__ import annotations
 
@@ -19,7 +21,6 @@ from cache.kv_cache_spec import MLASpec
 from models import build_model, load_spec
 from models.builder import DTYPES
 from models.import_hf import spec_dict_from_hf_config, spec_from_hf_dir
-from models.spec import SpecError
 from runtime import LLM, SamplingParams
 from tests import zoo_parity
 from tests.conftest import TINY_VOCAB
@@ -60,6 +61,31 @@ def direct_q(tmp_path_factory):
     return zoo_parity.reference(_model(config), tmp_path_factory.mktemp("ds-direct"))
 
 
+def _seed_moe(model):
+    """HF leaves routers and experts at init: seed them (and DeepSeek-V3's selection bias,
+    which HF zeroes) so routing varies from token to token."""
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "mlp.gate." in name or "mlp.experts" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.05 if "e_score_correction_bias" in name else 0.2))
+    return model
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """DeepSeek-V3 proper: a dense first layer, then MoE layers (4 experts in 2 groups, 1
+    group chosen, 2 experts a token, sigmoid scores with a selection bias, scaled weights,
+    one shared expert)."""
+    model = _seed_moe(_model(_config(num_hidden_layers=3, first_k_dense_replace=1)))
+    return zoo_parity.reference(model, tmp_path_factory.mktemp("ds-moe"))
+
+
+@pytest.mark.parametrize("regime", zoo_parity.REGIMES)
+def test_moe_parity(moe, regime):
+    zoo_parity.check_regime(moe, regime)
+
+
 @pytest.mark.parametrize("regime", zoo_parity.REGIMES)
 def test_dense_parity(dense, regime):
     zoo_parity.check_regime(dense, regime)
@@ -97,10 +123,12 @@ def test_importer_reads_mla_and_yarn(dense):
     assert (r.type, r.factor, r.original_max_position_embeddings, r.mscale, r.mscale_all_dim) == ("yarn", 8.0, 64, 1.0, 0.8)
 
 
-def test_moe_layers_before_the_moe_reader_fail_in_one_line(tmp_path):
-    _model(_config(first_k_dense_replace=1)).save_pretrained(tmp_path)
-    with pytest.raises(SpecError, match="first_k_dense_replace: 1 < num_hidden_layers 2"):
-        spec_from_hf_dir(tmp_path)
+def test_importer_reads_the_moe(moe):
+    spec = spec_from_hf_dir(moe.path)
+    assert [spec.ffn_kind(i) for i in range(3)] == ["mlp", "moe", "moe"]
+    m = spec.moe
+    assert (m.scoring, m.selection_bias, m.n_group, m.topk_group, m.routed_scaling_factor) == ("sigmoid", True, 2, 1, 2.5)
+    assert m.shared_expert_intermediate_size == 32 and not m.shared_expert_gate
 
 
 def test_pool_holds_only_the_latent(dense):
@@ -227,23 +255,28 @@ def test_long_chunks_attend_in_query_tiles(dense, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def v2_dense(tmp_path_factory):
+def v2(tmp_path_factory):
     """DeepSeek-V2 (same MLA; rope through complex numbers on interleaved pairs), q_proj
-    straight from hidden states as in V2-Lite, all layers dense."""
+    straight from hidden states as in V2-Lite, a dense layer then greedy softmax MoE layers
+    (no renormalisation, scaled weights, two shared experts)."""
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
     config = DeepseekV2Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                               num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=LATENT,
-                              qk_nope_head_dim=8, qk_rope_head_dim=ROPE, v_head_dim=12, first_k_dense_replace=2,
+                              qk_nope_head_dim=8, qk_rope_head_dim=ROPE, v_head_dim=12, first_k_dense_replace=1,
                               moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                              n_shared_experts=2, routed_scaling_factor=1.5, topk_method="greedy",
                               max_position_embeddings=512, initializer_range=0.2, bos_token_id=None,
                               eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(0)
-    return zoo_parity.reference(DeepseekV2ForCausalLM(config).eval(), tmp_path_factory.mktemp("ds-v2"))
+    model = _seed_moe(DeepseekV2ForCausalLM(config).eval())
+    return zoo_parity.reference(model, tmp_path_factory.mktemp("ds-v2"))
 
 
 @pytest.mark.parametrize("regime", ["default", "chunked", "prefix_3"])
-def test_v2_dense_parity(v2_dense, regime):
-    zoo_parity.check_regime(v2_dense, regime)
+def test_v2_parity(v2, regime):
+    spec = spec_from_hf_dir(v2.path)
+    assert [spec.ffn_kind(i) for i in range(2)] == ["mlp", "moe"] and spec.moe.scoring == "softmax"
+    zoo_parity.check_regime(v2, regime)
 
 
 HYBRID = """
