@@ -327,3 +327,17 @@ def test_mla_beside_attention_in_packed_pages_matches_full_recompute(tmp_path, m
     assert got == ref
     assert llm.kv_cache_stats()["num_preemptions"] > 0
     zoo_parity.assert_all_free(llm)
+
+
+def test_import_cli_round_trip(moe, tmp_path):
+    """`python -m models.import_hf <hf_dir> -o spec.yaml` writes a spec that loads the same
+    checkpoint and gives HF's tokens."""
+    from models.import_hf import main
+    out = tmp_path / "ds.yaml"
+    assert main([str(moe.path), "-o", str(out)]) == 0
+    assert load_spec(out).mla == spec_from_hf_dir(moe.path).mla
+    llm = LLM(out)
+    params = SamplingParams(temperature=0, max_tokens=zoo_parity.NEW, min_tokens=zoo_parity.NEW)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in moe.prompts[:3]], params,
+                                                       use_tqdm=False)]
+    assert got == moe.ref[:3]
