@@ -292,39 +292,32 @@ checkpoint: {source: dummy, seed: 3, init_std: 0.2}
 """
 
 
-def test_mla_beside_attention_in_packed_pages_matches_full_recompute(tmp_path, monkeypatch):
+def test_mla_beside_attention_in_packed_pages(tmp_path, monkeypatch):
     """MLA pages (16 x 16 values) are half an attention page (K and V of 2 x 8): the pool
     packs two MLA layers per pool page, so MLA layers see strided block views. Chunked,
-    batched, preempted greedy decoding equals recomputing every sequence from scratch in an
-    unpacked pool (one layer per pool page)."""
+    batched, preempted greedy decoding there equals one request at a time, unchunked, in an
+    unpacked pool (one layer per pool page) with no prefix caching."""
     import functools
 
     import runtime.engine
     spec = tmp_path / "hybrid.yaml"
     spec.write_text(HYBRID)
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(1, 256, (n,), generator=g).tolist() for n in (3, 17, 33, 50)]
-    new, one = 10, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = [{"prompt_token_ids": torch.randint(1, 256, (n,), generator=g).tolist()} for n in (3, 17, 33, 50)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     with monkeypatch.context() as m:
         m.setattr(runtime.engine, "make_kv_cache_config", functools.partial(runtime.engine.make_kv_cache_config,
                                                                             pack=False))
-        fresh, ref = LLM(spec, enable_prefix_caching=False), []
-    assert all(offset == 0 for _, offset in fresh.engine.kv_manager.config.layer_slots().values())
-    for p in prompts:
-        seq = list(p)
-        for _ in range(new):
-            seq += fresh.generate({"prompt_token_ids": seq}, one, use_tqdm=False)[0].outputs[0].token_ids
-        ref.append(seq[len(p):])
+        plain = LLM(spec, enable_prefix_caching=False, max_num_seqs=1)
+    assert all(offset == 0 for _, offset in plain.engine.kv_manager.config.layer_slots().values())
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     assert len({tuple(r) for r in ref}) == len(ref)
     llm = LLM(spec, max_num_batched_tokens=9, num_kv_blocks=16)
     cfg = llm.engine.kv_manager.config
     mla = next(gid for gid, grp in enumerate(cfg.groups) if isinstance(grp.spec, MLASpec))
     assert cfg.page_use(mla) == (cfg.bytes_per_block, cfg.bytes_per_block)     # packed, no padding
     assert any(offset > 0 for _, offset in cfg.layer_slots().values())       # two MLA layers a pool page
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
-                                                       use_tqdm=False)]
-    assert got == ref
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == ref
     assert llm.kv_cache_stats()["num_preemptions"] > 0
     zoo_parity.assert_all_free(llm)
 
