@@ -172,16 +172,28 @@ class OpenAIServer:
         """The k best (token_id, Logprob) of one position, best first."""
         return sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
 
-    def completion_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
-        lps = out.outputs[0].logprobs
+    @staticmethod
+    def _spell(body, token_id: int, lp) -> str:
+        """A logprob entry's token: its text, or `token_id:<id>` (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if body.return_tokens_as_token_ids else (lp.decoded_token or "")
+
+    def completion_logprobs(self, out: RequestOutput, body, start: int = 0) -> dict | None:
+        """OpenAI's completions logprobs from token `start` on; `text_offset` is each token's
+        character offset in the choice's text (its tokens' texts laid end to end)."""
+        lps, k = out.outputs[0].logprobs, body.logprobs
         if lps is None:
             return None
         ids = out.outputs[0].token_ids
-        return {"tokens": [d[t].decoded_token for t, d in zip(ids[start:], lps[start:])],
+        offset = sum(len(d[t].decoded_token or "") for t, d in zip(ids[:start], lps[:start]))
+        offsets = []
+        for t, d in zip(ids[start:], lps[start:]):
+            offsets.append(offset)
+            offset += len(d[t].decoded_token or "")
+        return {"tokens": [self._spell(body, t, d[t]) for t, d in zip(ids[start:], lps[start:])],
                 "token_logprobs": [d[t].logprob for t, d in zip(ids[start:], lps[start:])],
-                "top_logprobs": [{lp.decoded_token: lp.logprob for _, lp in self._top(d, k or 0)}
+                "top_logprobs": [{self._spell(body, tid, lp): lp.logprob for tid, lp in self._top(d, k or 0)}
                                  for d in lps[start:]],
-                "text_offset": []}
+                "text_offset": offsets}
 
     async def completions(self, body: CompletionRequest, raw: Request):
         self.check_model(body.model)
@@ -197,7 +209,7 @@ class OpenAIServer:
         finals = await self.collect(raw, started, body.n)
         echo = self._echo(body, started)
         choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
-                    "logprobs": self.completion_logprobs(out, body.logprobs),
+                    "logprobs": self.completion_logprobs(out, body),
                     "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out)}
                    for i, out in sorted(finals.items())]
         return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
@@ -227,19 +239,19 @@ class OpenAIServer:
             return {"text": delta}
 
         return self._stream(body, started, head,
-                            lambda out, start: self.completion_logprobs(out, body.logprobs, start), choice)
+                            lambda out, start: self.completion_logprobs(out, body, start), choice)
 
     # ------------------------------------------------------------- /v1/chat/completions
-    def chat_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
-        lps = out.outputs[0].logprobs
+    def chat_logprobs(self, out: RequestOutput, body, start: int = 0) -> dict | None:
+        lps, k = out.outputs[0].logprobs, body.top_logprobs
         if lps is None:
             return None
 
-        def entry(lp) -> dict:
+        def entry(tid: int, lp) -> dict:
             tok = lp.decoded_token or ""
-            return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode())}
+            return {"token": self._spell(body, tid, lp), "logprob": lp.logprob, "bytes": list(tok.encode())}
 
-        return {"content": [{**entry(d[t]), "top_logprobs": [entry(lp) for _, lp in self._top(d, k or 0)]}
+        return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(tid, lp) for tid, lp in self._top(d, k or 0)]}
                             for t, d in zip(out.outputs[0].token_ids[start:], lps[start:])]}
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
@@ -251,7 +263,7 @@ class OpenAIServer:
             return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
         finals = await self.collect(raw, started, body.n)
         choices = [{"index": i, **self._message(out, mode, "message"),
-                    "logprobs": self.chat_logprobs(out, body.top_logprobs), **self._token_ids(body, out, prompt=False)}
+                    "logprobs": self.chat_logprobs(out, body), **self._token_ids(body, out, prompt=False)}
                    for i, out in sorted(finals.items())]
         extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
         return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
@@ -323,7 +335,7 @@ class OpenAIServer:
             return final
 
         async for event in self._stream(body, started, head,
-                                        lambda out, start: self.chat_logprobs(out, body.top_logprobs, start), choice):
+                                        lambda out, start: self.chat_logprobs(out, body, start), choice):
             yield event
 
     async def _stream(self, body, started, head, logprobs, choice) -> AsyncIterator[str]:
@@ -332,6 +344,7 @@ class OpenAIServer:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finals = []
+        continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
         try:
             async for i, out in self.merged(started, body.n):
                 c = out.outputs[0]
@@ -344,9 +357,13 @@ class OpenAIServer:
                         continue
                     sent_text[i] = max(upto, sent_text.get(i, 0))
                     sent_tokens[i] = len(c.token_ids)
-                    yield _sse({**head, "choices": [{"index": i, "logprobs": lp,
-                                                     "finish_reason": c.finish_reason if out.finished else None,
-                                                     **part}]})
+                    chunk = {**head, "choices": [{"index": i, "logprobs": lp,
+                                                  "finish_reason": c.finish_reason if out.finished else None, **part}]}
+                    if continuous:       # vLLM: this choice's usage so far on every chunk
+                        n_prompt = len(out.prompt_token_ids)
+                        chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": len(c.token_ids),
+                                          "total_tokens": n_prompt + len(c.token_ids)}
+                    yield _sse(chunk)
                 if out.finished:
                     finals.append(out)
             if body.stream_options and body.stream_options.include_usage:
