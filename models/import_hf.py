@@ -225,11 +225,11 @@ def _rope(cfg: dict, params: dict | None = None) -> dict:
     if prf is not None:
         rope["partial_rotary_factor"] = float(prf)
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
-                "beta_fast", "beta_slow", "truncate", "mscale", "mscale_all_dim", "attention_factor"):
+                "beta_fast", "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"):
         if params.get(key) is not None:
             rope[key] = params[key]
     if rope["type"] == "yarn" and "factor" not in rope and "original_max_position_embeddings" in rope:
-        rope["factor"] = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]   # as HF does
+        rope["factor"] = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]   # as HF
     return rope
 
 

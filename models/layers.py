@@ -105,29 +105,42 @@ def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
     elif rope.type == "yarn":
-        # Dims rotating fewer than beta_slow times over the original context are interpolated
-        # (divided by `factor`), those rotating more than beta_fast times kept, a linear ramp between.
-        def band_edge(rotations: float) -> float:
-            return rotary_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
-                2 * math.log(rope.theta))
-        low, high = band_edge(rope.beta_fast), band_edge(rope.beta_slow)
-        if rope.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, rotary_dim - 1)
-        ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
-        keep = 1 - ramp         # the share of the original frequency (HF's order of operations, bit for bit)
-        pos_freqs = rope.theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
-        inv_freq = 1.0 / (rope.factor * pos_freqs) * (1 - keep) + (1.0 / pos_freqs) * keep
+        inv_freq = _yarn_inv_freq(rope, rotary_dim, inv_freq)
     return inv_freq
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction for a context stretched `factor` times."""
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+def _yarn_inv_freq(rope: RopeSpec, rotary_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071, as transformers' `_compute_yarn_parameters`): dims that turn
+    more than `beta_fast` times over the original context keep their frequency (extrapolate),
+    dims that turn fewer than `beta_slow` times are slowed by `factor` (interpolate), and a
+    linear ramp over the dims in between blends the two."""
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+            / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001   # no singular ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # HF's order of operations, so the tables are bit for bit its own: the interpolated
+    # frequency is 1 / (factor * base^(2i/d)), weighted by 1 - (1 - ramp).
+    keep = 1 - ramp
+    pos_freqs = rope.theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return 1.0 / (rope.factor * pos_freqs) * (1 - keep) + inv_freq * keep
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(factor) + 1 for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 def rope_attention_factor(rope: RopeSpec) -> float:
-    """What cos/sin are multiplied by (yarn; 1 for the other types), as HF's rope init computes it."""
+    """What cos and sin are scaled by (so q.k by its square): YaRN's attention temperature,
+    1 for the other rope types. Unset, it is 0.1 ln(factor) + 1, or with DeepSeek's `mscale`
+    and `mscale_all_dim` the ratio of that formula at the two."""
     if rope.type != "yarn":
         return 1.0
     if rope.attention_factor is not None:
@@ -152,9 +165,9 @@ class RotaryEmbedding(nn.Module):
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = rope_inv_freq(self.rope, self.rotary_dim)
         freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        factor = rope_attention_factor(self.rope)
-        if factor != 1.0:
-            return freqs.cos() * factor, freqs.sin() * factor
+        scale = rope_attention_factor(self.rope)
+        if scale != 1.0:
+            return freqs.cos() * scale, freqs.sin() * scale
         return freqs.cos(), freqs.sin()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -74,12 +74,12 @@ class RopeSpec:
     low_freq_factor: float = 1.0          # llama3 scaling
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    beta_fast: float = 32.0               # yarn: rotations bounding the blended band of dims
+    beta_fast: float = 32.0               # yarn: the ramp between extrapolated and interpolated dims
     beta_slow: float = 1.0
-    truncate: bool = True                 # yarn: round the band to whole dims
-    mscale: float = 0.0                   # yarn: cos/sin scaled by mscale(factor, mscale) /
-    mscale_all_dim: float = 0.0           #   mscale(factor, mscale_all_dim) when both are set
-    attention_factor: float | None = None  # yarn: that cos/sin scale, when given outright
+    truncate: bool = True                 # yarn: round the ramp's ends to whole dims
+    attention_factor: float | None = None  # yarn: cos/sin scale (None: 0.1 ln(factor) + 1, or the mscale ratio)
+    mscale: float | None = None           # yarn (DeepSeek): attention_factor = mscale(factor, mscale) /
+    mscale_all_dim: float | None = None   #   mscale(factor, mscale_all_dim) when both are set
 
 
 FFN_KINDS = ("mlp", "moe", "none")
