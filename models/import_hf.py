@@ -148,6 +148,17 @@ family("olmo_hybrid", adjust=_olmo_hybrid,
        weight_names={"input_norm": "attention_layer_norm.weight", "post_attn_norm": "feedforward_layer_norm.weight"})
 
 
+def _gpt_oss(cfg: dict, spec: dict) -> None:
+    """gpt-oss: a learned sink logit per attention head (`self_attn.sinks`)."""
+    spec["attention"]["sinks"] = True
+
+
+# gpt-oss: sliding (window 128) / full layers from layer_types, q/k/v/o biases, attention
+# sinks, yarn rope; MoE of clamped-SwiGLU experts with biases, top-k-then-softmax router.
+family("gpt_oss", adjust=_gpt_oss, weight_names={"moe_router": "router"},
+       moe={"scoring": "topk_softmax", "router_bias": True, "expert_bias": True, "activation": "swiglu_clamped",
+            "expert_layout": "fused_transposed", "gate_up_interleaved": True})
+
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.
 _UNSUPPORTED = {

@@ -190,7 +190,10 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     """Full or sliding-window attention (the window lives in the layer's KV cache group,
-    which the backend plans per step; the layer itself only picks its rope)."""
+    which the backend plans per step; the layer itself only picks its rope). With
+    `attention.sinks` (gpt-oss) each head has a learned logit `sinks[h]` that joins the
+    softmax denominator as a key with no value, so a query may attend to "nothing"; every
+    backend takes it through the attention op."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -209,6 +212,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.k_norm = RMSNorm(k_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.rotary = rotary
+        self.sinks = nn.Parameter(torch.zeros(a.num_heads)) if a.sinks else None
         self.scale = a.scale if a.scale is not None else (a.query_pre_attn_scalar or a.head_dim) ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -226,7 +230,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention_op()(q, k, v, kv_cache, self.layer_id, self.scale)   # v: a strided view; backends take it
+        o = paged_attention_op()(q, k, v, kv_cache, self.layer_id, self.scale, self.sinks)   # v: a strided view; backends take it
         o = o.view(-1, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)

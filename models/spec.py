@@ -49,6 +49,8 @@ class AttentionSpec:
     sliding_window: int | None = None          # W for sliding_attention layers
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not head_dim**-0.5
     qk_norm_all_heads: bool = False   # OLMo 2/3: the q/k norms span the whole projection, not each head
+    sinks: bool = False         # gpt-oss: a learned logit per head joins the softmax denominator
+                                # (a virtual key with no value), loaded from `self_attn.sinks`
 
 
 @dataclass(slots=True)

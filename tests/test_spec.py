@@ -57,7 +57,7 @@ def _base() -> dict:
     (lambda d: d.update(hidden_size=0), "hidden_size: must be > 0, got 0"),
     (lambda d: d["checkpoint"].update(source="hf", path=None), "checkpoint.path: source 'hf' needs a path"),
     (lambda d: d.update(weight_names={"qq": "x"}), "weight_names.qq: unknown weight key"),
-    (lambda d: d["rope"].update(type="yarm"), "rope.type: 'yarm' is not one of"),
+    (lambda d: d["rope"].update(type="ntk"), "rope.type: 'ntk' is not one of"),
 ])
 def test_spec_errors_name_file_and_field(tmp_path, mutate, message):
     data = _base()
