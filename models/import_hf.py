@@ -105,6 +105,14 @@ def _falcon_h1(cfg: dict, spec: dict) -> None:
     spec["weight_scales"] = out
 
 
+def _deepseek_mla(cfg: dict, spec: dict) -> None:
+    """DeepSeek-V2/V3: MLA in every layer (its `mla:` section from the kind's reader; the MoE
+    and which layers are dense, first_k_dense_replace, come from the general MoE reader)."""
+    spec["layers"].pop("kinds", None)
+    spec["layers"]["pattern"] = ["mla"]
+    KINDS["mla"].import_hf(cfg, spec)
+
+
 family("llama")
 family("mistral")
 family("qwen2", qkv_bias=True)
@@ -146,6 +154,18 @@ family("falcon_h1", every_layer="full_attention+mamba2",
                      "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj",
                      "down": "feed_forward.down_proj"},
        adjust=_falcon_h1)
+# DeepSeek-V3: multi-head latent attention (mla) everywhere; dense MLPs for the first
+# first_k_dense_replace layers, then a sigmoid-scored, group-limited MoE (selection bias,
+# float32 router) with an ungated shared expert.
+family("deepseek_v3", moe={"scoring": "sigmoid", "selection_bias": True, "router_fp32": True,
+                           "shared_expert_gate": False},
+       weight_names={"moe_shared": "shared_experts"}, adjust=_deepseek_mla)
+# DeepSeek-V2: the same attention (its complex-number rope rotates the same interleaved pairs);
+# a softmax top-k MoE that never renormalises (V2-Lite's greedy routing; group_limited_greedy
+# configs are refused by name), float32 router, ungated shared experts.
+family("deepseek_v2", moe={"router_fp32": True, "shared_expert_gate": False, "norm_topk_prob": False,
+                           "n_group": 1, "topk_group": 1},
+       weight_names={"moe_shared": "shared_experts"}, adjust=_deepseek_mla)
 
 
 def lfm2_intermediate_size(cfg: dict) -> int:

@@ -126,7 +126,16 @@ def _yarn_inv_freq(rope: RopeSpec, rotary_dim: int, inv_freq: torch.Tensor) -> t
     if low == high:
         high += 0.001   # no singular ramp
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
+    # HF's order of operations, so the tables are bit for bit its own: the interpolated
+    # frequency is 1 / (factor * base^(2i/d)), weighted by 1 - (1 - ramp).
+    keep = 1 - ramp
+    pos_freqs = rope.theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return 1.0 / (rope.factor * pos_freqs) * (1 - keep) + inv_freq * keep
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(factor) + 1 for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
 def rope_attention_factor(rope: RopeSpec) -> float:
@@ -137,13 +146,9 @@ def rope_attention_factor(rope: RopeSpec) -> float:
         return 1.0
     if rope.attention_factor is not None:
         return rope.attention_factor
-
-    def mscale(m: float = 1.0) -> float:
-        return 1.0 if rope.factor <= 1 else 0.1 * m * math.log(rope.factor) + 1.0
-
     if rope.mscale and rope.mscale_all_dim:
-        return mscale(rope.mscale) / mscale(rope.mscale_all_dim)
-    return mscale()
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
 
 
 class RotaryEmbedding(nn.Module):
