@@ -22,6 +22,8 @@ delta rule (HF's `torch_chunk_gated_delta_rule` math, chunks of up to 64 tokens)
 stored state; its final states are written back to its slot.
 
 Parameter names and shapes equal HF's `Qwen3NextGatedDeltaNet`, so its state_dict loads 1:1.
+Qwen3.5's layer (`Qwen3_5GatedDeltaNet`) is the same math with its input projections split per
+part; `projection="split"` takes them stacked in that order (the loader does the stacking).
 """
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ from models.activations import activation
 from models.layers import GatedRMSNorm
 
 CHUNK_SIZE = 64
+
+# Row orders of the fused input projections. interleaved (Qwen3-Next's in_proj_qkvz / in_proj_ba):
+# per key head [q | k | v | z] and [b | a]; split (Qwen3.5, whose checkpoint has separate
+# in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, stacked by the loader): [q | k | v | z] and
+# [b | a] over all heads, so q|k|v is already the conv input.
+PROJECTIONS = ("interleaved", "split")
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -101,14 +109,18 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next linear-attention layer; arguments mirror HF config fields:
+    """Qwen3-Next / Qwen3.5 linear-attention layer; arguments mirror HF config fields:
     hidden_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
     linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
-                 hidden_act: str = "silu"):
+                 hidden_act: str = "silu", projection: str = "interleaved"):
+        """projection: the row order of `in_proj_qkvz` / `in_proj_ba` (see PROJECTIONS)."""
         super().__init__()
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection {projection!r} is not one of {', '.join(PROJECTIONS)}")
+        self.projection = projection
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
                              f"linear_num_key_heads ({num_k_heads})")
@@ -154,6 +166,10 @@ class GatedDeltaNet(nn.Module):
     def _project(self, hidden: torch.Tensor):
         """-> mixed_qkv [T, conv_dim] (q|k|v, heads in order), z [T, Hv, dv], b, a [T, Hv]."""
         T = hidden.shape[0]
+        if self.projection == "split":
+            mixed_qkv, z = torch.split(self.in_proj_qkvz(hidden), [self.conv_dim, self.value_dim], dim=-1)
+            b, a = torch.split(self.in_proj_ba(hidden), [self.num_v_heads, self.num_v_heads], dim=-1)
+            return mixed_qkv, z.reshape(T, self.num_v_heads, self.head_v_dim), b, a
         nk, r = self.num_k_heads, self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         # HF layout: per key head g: [q (dk) | k (dk) | v (r*dv) | z (r*dv)]; ba: [b (r) | a (r)].

@@ -61,6 +61,13 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
                        "mlp_only_layers": list(cfg.get("mlp_only_layers") or [])}
 
 
+def _qwen3_5(cfg: dict, spec: dict) -> None:
+    """Qwen3.5: Qwen3-Next's adjustments; its checkpoint splits in_proj_qkvz / in_proj_ba."""
+    _qwen3_next(cfg, spec)
+    if "gated_deltanet" in spec:
+        spec["gated_deltanet"]["projection"] = "split"
+
+
 family("llama")
 family("mistral")
 family("qwen2", qkv_bias=True)
@@ -76,6 +83,10 @@ family("bamba", non_attn_layers="mamba2",
 # Qwen3-Next: gated DeltaNet layers, every n-th layer gated full attention, MoE MLPs,
 # (1 + w) norms, partial rotary.
 family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
+# Qwen3.5 text models (dense and MoE): Qwen3-Next's mechanisms, the DeltaNet input projections
+# stored split per part; the text rope's mrope sections are plain rope for text-only positions.
+family("qwen3_5_text", qk_norm=True, offset_norm=True, adjust=_qwen3_5)
+family("qwen3_5_moe_text", qk_norm=True, offset_norm=True, moe={}, adjust=_qwen3_5)
 # Granite-4.0-H: mamba2 + attention layers, MoE or dense shared MLP, muP-style multipliers;
 # block_sparse_moe / shared_mlp sit on the layer.
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
@@ -172,7 +183,9 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             "sliding_window": None,     # the sliding_attention kind's importer sets it
             "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar") if gemma else None,
         },
-        "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": HF_NAMES[act],
+        # MoE-only models (Qwen3.5-MoE) have no dense MLP size: the unused section takes the experts'
+        "mlp": {"intermediate_size": cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")
+                or cfg["intermediate_size"], "activation": HF_NAMES[act],
                 "bias": bool(cfg.get("mlp_bias", False))},
         "norm": {"eps": float(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-6))),
                  "offset": 1.0 if gemma or traits.get("offset_norm") else 0.0,
@@ -199,17 +212,22 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
 
 def _with_defaults(cfg: dict, hf_dir: Path) -> dict:
     """config.json omits fields left at their class defaults (transformers writes diffs):
-    let transformers fill them in, for the families it knows. A multimodal Gemma 3 config
-    yields its text part."""
+    let transformers fill them in, for the families it knows. A multimodal config (Gemma 3,
+    Qwen3.5) yields its text part."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
     try:
         full = AutoConfig.from_pretrained(str(hf_dir)).to_dict()
     except (ValueError, KeyError, OSError):     # a model_type transformers does not know: as written
         return cfg
-    if full.get("model_type") == "gemma3" and isinstance(full.get("text_config"), dict):
-        full = {**full["text_config"], "model_type": "gemma3_text"}
+    text_type = _TEXT_PARTS.get(full.get("model_type"))
+    if text_type and isinstance(full.get("text_config"), dict):
+        full = {**full["text_config"], "model_type": text_type}
     return full
+
+
+# Multimodal model_type -> the model_type of its text_config.
+_TEXT_PARTS = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
