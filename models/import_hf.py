@@ -68,6 +68,16 @@ def _qwen3_5(cfg: dict, spec: dict) -> None:
         spec["gated_deltanet"]["projection"] = "split"
 
 
+def _minimax(cfg: dict, spec: dict) -> None:
+    """MiniMax-Text-01: post-norm residuals scaled per sub-block (x = alpha * norm(x) + beta *
+    f(norm(x))); HF's rope turns the whole head (a partial_rotary_factor is not read)."""
+    used = set(spec["layers"].get("kinds") or spec["layers"]["pattern"])
+    subs = {"full_attention": "full_attn", "lightning_attention": "linear_attn", "mlp": "mlp"}
+    spec["residual"] = {p: {k: float(cfg.get(f"{v}_{p}_factor", 1.0)) for k, v in subs.items()
+                            if k in used or k == "mlp"} for p in ("alpha", "beta")}
+    spec["rope"].pop("partial_rotary_factor", None)
+
+
 family("llama")
 family("mistral")
 family("qwen2", qkv_bias=True)
@@ -91,6 +101,11 @@ family("qwen3_5_moe_text", qk_norm=True, offset_norm=True, moe={}, adjust=_qwen3
 # block_sparse_moe / shared_mlp sit on the layer.
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        adjust=_granite_hybrid)
+# MiniMax-Text-01: lightning attention (HF's `linear_attention`) with every n-th layer softmax
+# attention, Mixtral-style MoE (w1 / w3 / w2 experts under block_sparse_moe), post-norm residuals.
+family("minimax", layer_types={"linear_attention": "lightning_attention"}, moe={},
+       weight_names={"moe": "block_sparse_moe", "moe_expert_gate": "w1", "moe_expert_up": "w3",
+                     "moe_expert_down": "w2"}, adjust=_minimax)
 
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.

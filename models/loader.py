@@ -15,6 +15,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.builder import CausalLM
+from models.kinds import KINDS
 from models.spec import ModelSpec
 
 
@@ -22,8 +23,8 @@ class WeightError(ValueError):
     """A checkpoint that does not fit its spec; the message names the file and tensor."""
 
 
-# Checkpoint tensors that carry nothing we use.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint tensors that carry nothing we use, and the tables a layer kind recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",) + tuple(s for k in KINDS.values() for s in k.derived_tensors)
 
 
 def checkpoint_dir(spec: ModelSpec) -> Path | None:
