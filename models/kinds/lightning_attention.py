@@ -50,7 +50,7 @@ def slopes(num_heads: int, layer: int, num_layers: int) -> torch.Tensor:
     """Per-head decay rates [H] of decoder layer `layer` (HF MiniMax `get_slope_rate`, same ops)."""
     base = 1 / (2 ** (8 / num_heads))
     factor = 1 - layer / (num_layers - 1 + 1e-5) + 1e-5
-    return base ** (torch.arange(num_heads) + 1) * factor
+    return base ** (torch.arange(num_heads, device="cpu") + 1) * factor   # cpu: also under a meta-device build
 
 
 def lightning_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slope: torch.Tensor,
@@ -93,7 +93,16 @@ class LightningAttention(nn.Module):
         self.norm = RMSNorm(inner, norm_eps)
         self.out_proj = nn.Linear(inner, hidden_size, bias=False)
         self.act = ACTIVATIONS[activation]
-        self.register_buffer("slope", slope.float(), persistent=False)
+        # Kept as floats, not a buffer: the builder makes modules on the meta device, and the
+        # op body (never traced) makes the tensor on first use per device.
+        self.slope_values = tuple(slope.float().tolist())
+        self._slope: torch.Tensor | None = None
+
+    def slope(self, device: torch.device) -> torch.Tensor:
+        """The per-head decay rates [H] (float32) on `device`."""
+        if self._slope is None or self._slope.device != device:
+            self._slope = torch.tensor(self.slope_values, dtype=torch.float32, device=device)
+        return self._slope
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """Per request: the state S (o = q S), [num_heads, head_dim, head_dim]."""
@@ -127,7 +136,7 @@ class LightningAttention(nn.Module):
                 has_init: torch.Tensor) -> torch.Tensor:
         S = state[slots].float()
         S = torch.where(has_init.view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
-        out, S = lightning_step(*self._split(qkv), self.slope, S)
+        out, S = lightning_step(*self._split(qkv), self.slope(qkv.device), S)
         state[slots] = S.to(state.dtype)
         return out
 
@@ -149,7 +158,7 @@ class LightningAttention(nn.Module):
                 slot, init = meta.slots[i:i + 1], meta.has_initial_state[i:i + 1]
                 S = state.index_select(0, slot)[0].float()
                 S = torch.where(init, S, torch.zeros((), dtype=S.dtype, device=S.device))
-                core[s:e], S = lightning_chunk(*self._split(qkv[s:e]), self.slope, S)
+                core[s:e], S = lightning_chunk(*self._split(qkv[s:e]), self.slope(qkv.device), S)
                 state.index_copy_(0, slot, S.unsqueeze(0).to(state.dtype))
         return core
 
