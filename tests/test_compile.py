@@ -69,6 +69,7 @@ def _run(llm: LLM):
     pytest.param("zoo/mistral-sw-small.yaml", marks=pytest.mark.slow),      # sliding window
     pytest.param("zoo/qwen3-next-small.yaml", marks=pytest.mark.slow),      # gated DeltaNet + MoE
     pytest.param("zoo/granite-hybrid-small.yaml", marks=pytest.mark.slow),  # mamba2 + granite MoE
+    pytest.param("zoo/minimax-small.yaml", marks=pytest.mark.slow),         # lightning attention + MoE
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
     eager = LLM(spec, **ENGINE)
