@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
-from attention.state import StateMetadata
+from attention.state import StateMetadata, run_by_request
 from models.activations import activation
 from models.layers import GatedRMSNorm
 
@@ -270,22 +270,10 @@ class GatedDeltaNet(nn.Module):
     def _core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
               recurrent_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         """Conv + gated delta rule over the step's tokens -> core [T, Hv, dv] fp32."""
-        if meta.all_decode:
-            return self._decode(mixed_qkv, b, a, conv_state, recurrent_state, meta.slots,
-                                meta.has_initial_state)
-        T, device = mixed_qkv.shape[0], mixed_qkv.device
-        core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device)
-        qsl = meta.query_start_loc
-        singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        if singles:  # decodes of a mixed step: one vectorised recurrent step
-            req = torch.tensor(singles, dtype=torch.long).to(device, non_blocking=True)
-            tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(device, non_blocking=True)
-            core[tok] = self._decode(mixed_qkv[tok], b[tok], a[tok], conv_state, recurrent_state,
-                                     meta.slots[req], meta.has_initial_state[req])
-        for i in range(meta.num_reqs):
-            s, e = qsl[i], qsl[i + 1]
-            if e - s > 1:
-                core[s:e] = self._prefill_one(mixed_qkv[s:e], b[s:e], a[s:e], conv_state,
-                                              recurrent_state, meta.slots[i:i + 1],
-                                              meta.has_initial_state[i:i + 1])
-        return core
+        return run_by_request(
+            meta, lambda: mixed_qkv.new_zeros(mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim,
+                                              dtype=torch.float32),
+            lambda tok, req: self._decode(mixed_qkv[tok], b[tok], a[tok], conv_state, recurrent_state,
+                                          meta.slots[req], meta.has_initial_state[req]),
+            lambda s, e, i: self._prefill_one(mixed_qkv[s:e], b[s:e], a[s:e], conv_state, recurrent_state,
+                                              meta.slots[i:i + 1], meta.has_initial_state[i:i + 1]))

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::state_update)
-from attention.state import StateMetadata
+from attention.state import StateMetadata, run_by_request
 from models.activations import ACTIVATIONS
 from models.kinds.base import Fail, state_kind
 from models.layers import RMSNorm
@@ -142,25 +142,19 @@ class LightningAttention(nn.Module):
 
     def _core(self, qkv: torch.Tensor, state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
         """The recurrence over the step's tokens -> [T, H, head_dim] float32."""
-        if meta.all_decode:
-            return self._decode(qkv, state, meta.slots, meta.has_initial_state)
-        T, device = qkv.shape[0], qkv.device
-        core = torch.zeros(T, self.num_heads, self.head_dim, dtype=torch.float32, device=device)
-        qsl = meta.query_start_loc
-        singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        if singles:  # the decodes of a mixed step: one vectorised step
-            req = torch.tensor(singles, dtype=torch.long).to(device, non_blocking=True)
-            tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(device, non_blocking=True)
-            core[tok] = self._decode(qkv[tok], state, meta.slots[req], meta.has_initial_state[req])
-        for i in range(meta.num_reqs):
-            s, e = qsl[i], qsl[i + 1]
-            if e - s > 1:
-                slot, init = meta.slots[i:i + 1], meta.has_initial_state[i:i + 1]
-                S = state.index_select(0, slot)[0].float()
-                S = torch.where(init, S, torch.zeros((), dtype=S.dtype, device=S.device))
-                core[s:e], S = lightning_chunk(*self._split(qkv[s:e]), self.slope(qkv.device), S)
-                state.index_copy_(0, slot, S.unsqueeze(0).to(state.dtype))
-        return core
+        return run_by_request(
+            meta, lambda: qkv.new_zeros(qkv.shape[0], self.num_heads, self.head_dim, dtype=torch.float32),
+            lambda tok, req: self._decode(qkv[tok], state, meta.slots[req], meta.has_initial_state[req]),
+            lambda s, e, i: self._prefill(qkv[s:e], state, meta.slots[i:i + 1], meta.has_initial_state[i:i + 1]))
+
+    def _prefill(self, qkv: torch.Tensor, state: torch.Tensor, slot: torch.Tensor,
+                 has_init: torch.Tensor) -> torch.Tensor:
+        """One request's chunk from its stored state; slot, has_init: [1] tensors."""
+        S = state.index_select(0, slot)[0].float()
+        S = torch.where(has_init, S, torch.zeros((), dtype=S.dtype, device=S.device))
+        out, S = lightning_chunk(*self._split(qkv), self.slope(qkv.device), S)
+        state.index_copy_(0, slot, S.unsqueeze(0).to(state.dtype))
+        return out
 
 
 def make_mixer(spec: ModelSpec, layer_id: int, rotary: nn.Module) -> nn.Module:
