@@ -15,7 +15,7 @@ import yaml
 
 from models.activations import HF_NAMES
 from models.kinds import KINDS, from_hf_layer_type
-from models.spec import DTYPES, ModelSpec, SpecError, mixers_of, spec_from_dict, spec_to_dict
+from models.spec import DEFAULT_WEIGHT_NAMES, DTYPES, ModelSpec, SpecError, mixers_of, spec_from_dict, spec_to_dict
 
 # model_type -> what config.json does not spell out for that family. Every other field is
 # read by name, the same way for every family (`spec_dict_from_hf_config`), and each layer
@@ -62,8 +62,10 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
 
 
 def _qwen3_5(cfg: dict, spec: dict) -> None:
-    """Qwen3.5: Qwen3-Next's adjustments; its checkpoint splits in_proj_qkvz / in_proj_ba."""
+    """Qwen3.5: Qwen3-Next's adjustments; its checkpoint splits in_proj_qkvz / in_proj_ba and
+    carries multi-token-prediction layers (mtp.*), which we do not run."""
     _qwen3_next(cfg, spec)
+    spec["checkpoint"]["ignore"] = ["mtp."]
     if "gated_deltanet" in spec:
         spec["gated_deltanet"]["projection"] = "split"
 
@@ -254,6 +256,7 @@ def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
         cfg = json.loads(config.read_text())
     except json.JSONDecodeError as e:
         raise SpecError(f"{config}: malformed JSON: {e}") from None
+    outer = cfg.get("model_type")
     cfg = _with_defaults(cfg, hf_dir)
     try:
         data = spec_dict_from_hf_config(cfg, hf_dir)
@@ -261,7 +264,23 @@ def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
         hint = "" if cfg.get("model_type") in _FAMILIES else \
             f" (model_type {cfg.get('model_type')!r} is read as a Llama-style config; known families: {', '.join(_FAMILIES)})"
         raise SpecError(f"{config}: {e.args[0]}: required field is missing{hint}") from None
+    if outer in _TEXT_CHECKPOINTS:
+        _as_text_part(data, *_TEXT_CHECKPOINTS[outer])
     return spec_from_dict(data, str(config))
+
+
+# Multimodal model_type -> where its checkpoint keeps the text model, and the prefixes of the
+# parts it holds besides (skipped).
+_TEXT_CHECKPOINTS = {"qwen3_5": ("model.language_model.", ["model.visual."]),
+                     "qwen3_5_moe": ("model.language_model.", ["model.visual."])}
+
+
+def _as_text_part(spec: dict, prefix: str, others: list[str]) -> None:
+    """Point the text model's names under `prefix` (model.X -> prefix + X) and skip the rest."""
+    names = spec.setdefault("weight_names", {})
+    for key in ("embed", "final_norm", "layer"):
+        names[key] = prefix + names.get(key, DEFAULT_WEIGHT_NAMES[key]).removeprefix("model.")
+    spec["checkpoint"]["ignore"] = spec["checkpoint"].get("ignore", []) + others
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -87,11 +87,12 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
     seen: set[str] = set()
     unexpected: list[str] = []
     tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
+    skipped = tuple(model.spec.checkpoint.ignore)
     for file in _safetensors_files(path):
         with _open(file) as f:
             for name in f.keys():
                 if name not in targets:
-                    if name != tied_head and not name.endswith(_IGNORED_SUFFIXES):
+                    if name != tied_head and not name.endswith(_IGNORED_SUFFIXES) and not name.startswith(skipped):
                         unexpected.append(name)
                     continue
                 param_name, offset, rows = targets[name]

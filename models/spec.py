@@ -146,6 +146,9 @@ class CheckpointSpec:
     name: str | None = None    # embedded: registry name (models.embedded)
     seed: int = 0              # dummy: weights are seeded random
     init_std: float = 0.02
+    # hf: tensor name prefixes of parts the model does not run (a multimodal checkpoint's
+    # vision tower, multi-token-prediction layers): the loader skips them
+    ignore: list = field(default_factory=list)
 
 
 # Where each of our parameters lives in an HF checkpoint. Per-layer names are relative to

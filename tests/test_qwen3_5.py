@@ -60,17 +60,23 @@ def test_import_reads_qwen3_5(family):
     assert all(spec.ffn_kind(i) == ("moe" if name == "moe" else "mlp") for i in range(4))
 
 
-def test_multimodal_config_yields_text_part(tmp_path):
-    """A Qwen3.5 (image-text) config.json reads as its text_config."""
-    from transformers import Qwen3_5Config
-    text = dict(COMMON, intermediate_size=96, layer_types=["linear_attention", "full_attention"], num_hidden_layers=2)
+def test_multimodal_checkpoint_yields_text_part(tmp_path):
+    """A Qwen3.5 image-text checkpoint (config with text_config, tensors under
+    model.language_model., a vision tower under model.visual.) loads as its text model and
+    generates what HF's Qwen3_5ForConditionalGeneration does on text."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    text = dict(COMMON, intermediate_size=96)
     cfg = Qwen3_5Config(text_config=text, vision_config={"depth": 1, "hidden_size": 32, "num_heads": 2,
                                                          "intermediate_size": 32, "out_hidden_size": 64})
-    cfg.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    ref = zoo_parity.reference(Qwen3_5ForConditionalGeneration(cfg).eval(), tmp_path, vocab=VOCAB)
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5"
     spec = spec_from_hf_dir(tmp_path)
-    assert spec.layer_kinds == ["gated_deltanet", "full_attention"]
+    assert spec.layer_kinds == ["gated_deltanet"] * 3 + ["full_attention"]
     assert spec.mlp.intermediate_size == 96 and spec.gated_deltanet.projection == "split"
+    assert spec.weight_name("layer") == "model.language_model.layers.{i}."
+    assert spec.checkpoint.ignore == ["mtp.", "model.visual."]
+    zoo_parity.check_regime(ref, "default")
 
 
 def test_split_layer_matches_hf():
