@@ -21,6 +21,7 @@ from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
+from runtime.worker.logits_processors import LogitsEdits
 from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
 from runtime.worker.step_plan import StepBatch, plan_layers
@@ -221,9 +222,10 @@ class ModelRunner:
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput({}, None)
-        meta = self._sampling_metadata(sample_rows)
+        meta = self._sampling_metadata(sample_rows, so.grammar_bitmask)
         hidden = hidden[logits_index]
-        if meta.all_greedy and meta.banned is None and meta.max_logprobs is None:
+        if meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
+                and meta.max_logprobs is None:
             # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
             out = SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
         else:
@@ -239,7 +241,7 @@ class ModelRunner:
         sampled = dict(zip(req_ids, tokens.tolist()))
         return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, grammar_bitmask=None) -> SamplingMetadata:
         b = self.batch
         temperature = b.temperature[rows]
         all_greedy = not temperature.any()
@@ -254,7 +256,15 @@ class ModelRunner:
         k = int(b.logprobs[rows].max())
         meta = SamplingMetadata(temperature=torch.from_numpy(temperature).to(self.device), top_k=None, top_p=None,
                                 min_p=None, generators={}, all_greedy=all_greedy, banned=banned,
-                                max_logprobs=None if k < 0 else k)
+                                max_logprobs=None if k < 0 else k,
+                                edits=LogitsEdits.build(b, rows, self.model.spec.vocab_size, self.device))
+        if grammar_bitmask is not None:       # structured outputs: bitmask row i is request ids[i]'s
+            ids, mask = grammar_bitmask
+            pos = {b.req_ids[r]: i for i, r in enumerate(rows.tolist())}
+            keep = [(pos[rid], j) for j, rid in enumerate(ids) if rid in pos]
+            if keep:
+                where, which = zip(*keep)
+                meta.grammar = (torch.tensor(where, device=self.device), mask[list(which)].to(self.device))
         if not all_greedy:   # the filters only matter to sampled rows
             top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
             meta.top_k = torch.from_numpy(top_k).to(self.device) if top_k.any() else None
