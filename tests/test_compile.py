@@ -70,6 +70,7 @@ def _run(llm: LLM):
     pytest.param("zoo/qwen3-next-small.yaml", marks=pytest.mark.slow),      # gated DeltaNet + MoE
     pytest.param("zoo/granite-hybrid-small.yaml", marks=pytest.mark.slow),  # mamba2 + granite MoE
     pytest.param("zoo/minimax-small.yaml", marks=pytest.mark.slow),         # lightning attention + MoE
+    pytest.param("zoo/qwen3.5-small.yaml", marks=pytest.mark.slow),         # split-projection DeltaNet
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
     eager = LLM(spec, **ENGINE)
