@@ -15,15 +15,16 @@ per-layer tensors that are updated in place (see `GatedDeltaNet.state_shapes`):
 zero whatever the slot holds, so slots never need clearing.
 
 Paths: when `meta.all_decode` every request has one token and the step is one vectorised
-recurrent update over all requests (no Python loop, no host sync). Otherwise single-token
-requests are still grouped into one vectorised step, and each multi-token request (a prefill
-chunk) runs the causal conv over its chunk prefixed with the stored tail, then the chunked gated
-delta rule (HF's `torch_chunk_gated_delta_rule` math, chunks of up to 64 tokens) from its
-stored state; its final states are written back to its slot.
+recurrent update over all requests (no Python loop, no host sync). Otherwise the causal conv
+runs over every token of the step at once, each request's chunk prefixed with its stored tail
+(models.causal_conv); single-token requests are still grouped into one vectorised step, and
+each multi-token request (a prefill chunk) runs the chunked gated delta rule (HF's
+`torch_chunk_gated_delta_rule` math, chunks of up to 64 tokens) from its stored state; its
+final states are written back to its slot.
 
 Parameter names and shapes equal HF's `Qwen3NextGatedDeltaNet`, so its state_dict loads 1:1.
-Qwen3.5's layer (`Qwen3_5GatedDeltaNet`) is the same math with its input projections split per
-part; `projection="split"` takes them stacked in that order (the loader does the stacking).
+`SeparateGatedDeltaNet` (OLMo-Hybrid) and `Qwen3_5GatedDeltaNet` (Qwen3.5) take their input
+projections from other checkpoint tensors; the rest is the same.
 """
 from __future__ import annotations
 
@@ -34,15 +35,10 @@ from torch import nn
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata, run_by_request
 from models.activations import activation
+from models.causal_conv import ConvPlan, conv_step, conv_varlen, step_conv_plan
 from models.layers import GatedRMSNorm
 
 CHUNK_SIZE = 64
-
-# Row orders of the fused input projections. interleaved (Qwen3-Next's in_proj_qkvz / in_proj_ba):
-# per key head [q | k | v | z] and [b | a]; split (Qwen3.5, whose checkpoint has separate
-# in_proj_qkv / in_proj_z / in_proj_b / in_proj_a, stacked by the loader): [q | k | v | z] and
-# [b | a] over all heads, so q|k|v is already the conv input.
-PROJECTIONS = ("interleaved", "split")
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -109,18 +105,15 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 class GatedDeltaNet(nn.Module):
-    """Qwen3-Next / Qwen3.5 linear-attention layer; arguments mirror HF config fields:
+    """Qwen3-Next linear-attention layer; arguments mirror HF config fields:
     hidden_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
-    linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act."""
+    linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act (and OLMo-Hybrid's
+    linear_allow_neg_eigval: beta = 2 * sigmoid(b))."""
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
-                 hidden_act: str = "silu", projection: str = "interleaved"):
-        """projection: the row order of `in_proj_qkvz` / `in_proj_ba` (see PROJECTIONS)."""
+                 hidden_act: str = "silu", allow_neg_eigval: bool = False):
         super().__init__()
-        if projection not in PROJECTIONS:
-            raise ValueError(f"projection {projection!r} is not one of {', '.join(PROJECTIONS)}")
-        self.projection = projection
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
                              f"linear_num_key_heads ({num_k_heads})")
@@ -137,11 +130,11 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.activation = hidden_act
         self.act = act
+        self.beta_scale = 2.0 if allow_neg_eigval else 1.0   # beta in [0, 2]: negative eigenvalues
 
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=conv_kernel_size, bias=False,
                                 groups=self.conv_dim, padding=conv_kernel_size - 1)
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self._make_projections()
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
         self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
@@ -163,13 +156,19 @@ class GatedDeltaNet(nn.Module):
 
     # ---- projections -------------------------------------------------------------------------
 
+    def _make_projections(self) -> None:
+        """HF's two fused input projections: per key head [q | k | v | z], then [b | a]."""
+        self.in_proj_qkvz = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(self.hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Our parameter -> [(checkpoint name relative to the layer's prefix, row offset, rows)]:
+        HF's Qwen3NextGatedDeltaNet names, 1:1."""
+        return {name: [(name, 0, p.shape[0])] for name, p in self.named_parameters()}
+
     def _project(self, hidden: torch.Tensor):
         """-> mixed_qkv [T, conv_dim] (q|k|v, heads in order), z [T, Hv, dv], b, a [T, Hv]."""
         T = hidden.shape[0]
-        if self.projection == "split":
-            mixed_qkv, z = torch.split(self.in_proj_qkvz(hidden), [self.conv_dim, self.value_dim], dim=-1)
-            b, a = torch.split(self.in_proj_ba(hidden), [self.num_v_heads, self.num_v_heads], dim=-1)
-            return mixed_qkv, z.reshape(T, self.num_v_heads, self.head_v_dim), b, a
         nk, r = self.num_k_heads, self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         # HF layout: per key head g: [q (dk) | k (dk) | v (r*dv) | z (r*dv)]; ba: [b (r) | a (r)].
@@ -194,7 +193,7 @@ class GatedDeltaNet(nn.Module):
         if r > 1:  # each q/k head serves r consecutive value heads
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         v = v.float().view(N, self.num_v_heads, self.head_v_dim)
-        beta = b.float().sigmoid()
+        beta = b.float().sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 
@@ -203,12 +202,12 @@ class GatedDeltaNet(nn.Module):
     def _decode(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
                 recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
         """One token per request: x [R, conv_dim] -> core out [R, Hv, dv] (fp32)."""
-        w = self.conv1d.weight[:, 0, :]                                   # [C, K]
-        tail = conv_state[slots]                                          # [R, C, K-1]
-        tail = torch.where(has_init.view(-1, 1, 1), tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
-        window = torch.cat([tail.to(w.dtype), x.to(w.dtype).unsqueeze(-1)], dim=-1)   # [R, C, K]
-        conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
-        conv_out = self.act((window * w).sum(-1)).to(x.dtype)
+        conv_out = self.act(conv_step(x, conv_state, slots, has_init, self.conv1d.weight[:, 0])).to(x.dtype)
+        return self._recurrent_step(conv_out, b, a, recurrent_state, slots, has_init)
+
+    def _recurrent_step(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                        recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """The delta rule for one post-conv token per request -> [R, Hv, dv] (fp32)."""
         q, k, v, g, beta = self._qkv_gates(conv_out, b, a)
         S = recurrent_state[slots].float()
         S = torch.where(has_init.view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
@@ -216,17 +215,10 @@ class GatedDeltaNet(nn.Module):
         recurrent_state[slots] = S.to(recurrent_state.dtype)
         return out
 
-    def _prefill_one(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
-                     recurrent_state: torch.Tensor, slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-        """One request's chunk: x [L, conv_dim]; slot, has_init: [1] tensors -> out [L, Hv, dv]."""
-        K1 = self.conv_kernel_size - 1
-        w = self.conv1d.weight
-        tail = conv_state.index_select(0, slot)[0]                        # [C, K-1]
-        tail = torch.where(has_init, tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
-        seq = torch.cat([tail.to(w.dtype), x.t().to(w.dtype)], dim=-1)    # [C, K-1+L]
-        conv_state.index_copy_(0, slot, seq[:, seq.shape[1] - K1:].unsqueeze(0).to(conv_state.dtype))
-        conv_out = F.conv1d(seq.unsqueeze(0), w, groups=self.conv_dim)[0]  # [C, L], no padding
-        conv_out = self.act(conv_out).t().to(x.dtype)
+    def _prefill_one(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, recurrent_state: torch.Tensor,
+                     slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """One request's chunk after the conv: conv_out [L, conv_dim]; slot, has_init: [1]
+        tensors -> out [L, Hv, dv], the chunked delta rule from its stored state."""
         q, k, v, g, beta = self._qkv_gates(conv_out, b, a)
         S = recurrent_state.index_select(0, slot)[0].float()
         S = torch.where(has_init, S, torch.zeros((), dtype=S.dtype, device=S.device))
@@ -258,7 +250,7 @@ class GatedDeltaNet(nn.Module):
     def update_states(self, inputs: list[torch.Tensor], states: list[torch.Tensor], plan) -> torch.Tensor:
         """`zooinfer::state_update` body: inputs (mixed_qkv, b, a), states (conv, recurrent)."""
         mixed_qkv, b, a = inputs
-        return self._core(mixed_qkv, b, a, *states, plan.meta)
+        return self._core(mixed_qkv, b, a, *states, plan.meta, step_conv_plan(plan, self.conv_kernel_size))
 
     def _finish(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm per value head on [T, Hv, dv], then out_proj. The token dim stays a dim of
@@ -268,12 +260,73 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.flatten(1))
 
     def _core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
-              recurrent_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        """Conv + gated delta rule over the step's tokens -> core [T, Hv, dv] fp32."""
+              recurrent_state: torch.Tensor, meta: StateMetadata, conv_plan: ConvPlan | None = None) -> torch.Tensor:
+        """Conv + gated delta rule over the step's tokens -> core [T, Hv, dv] fp32. The conv runs
+        over every token at once; the delta rule as one vectorised step over the single-token
+        requests and chunked (64-token chunks) per longer request."""
+        if meta.all_decode:
+            return self._decode(mixed_qkv, b, a, conv_state, recurrent_state, meta.slots,
+                                meta.has_initial_state)
+        T, device = mixed_qkv.shape[0], mixed_qkv.device
+        conv_plan = conv_plan or ConvPlan.build(meta, self.conv_kernel_size)
+        conv_out = conv_varlen(mixed_qkv, conv_state, meta, conv_plan, self.conv1d.weight[:, 0])
+        conv_out = self.act(conv_out).to(mixed_qkv.dtype)
         return run_by_request(
-            meta, lambda: mixed_qkv.new_zeros(mixed_qkv.shape[0], self.num_v_heads, self.head_v_dim,
-                                              dtype=torch.float32),
-            lambda tok, req: self._decode(mixed_qkv[tok], b[tok], a[tok], conv_state, recurrent_state,
-                                          meta.slots[req], meta.has_initial_state[req]),
-            lambda s, e, i: self._prefill_one(mixed_qkv[s:e], b[s:e], a[s:e], conv_state, recurrent_state,
+            meta, lambda: torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device),
+            lambda tok, req: self._recurrent_step(conv_out[tok], b[tok], a[tok], recurrent_state,
+                                                  meta.slots[req], meta.has_initial_state[req]),
+            lambda s, e, i: self._prefill_one(conv_out[s:e], b[s:e], a[s:e], recurrent_state,
                                               meta.slots[i:i + 1], meta.has_initial_state[i:i + 1]))
+
+
+class SeparateGatedDeltaNet(GatedDeltaNet):
+    """OLMo-Hybrid's Gated DeltaNet (HF `OlmoHybridGatedDeltaNet`): the same conv and delta
+    rule, but q, k, v, the output gate, b and a come from separate projections of the layer
+    input, each head-major (all q heads, then all k heads, ...; no per-key-head interleave).
+    They run here as one fused `in_proj`, filled from the checkpoint's q_proj, k_proj, v_proj,
+    g_proj, b_proj and a_proj; its q_conv1d, k_conv1d and v_conv1d fill our one conv1d (HF
+    concatenates them on load), its o_proj and o_norm are our out_proj and norm."""
+
+    def _make_projections(self) -> None:
+        self.in_proj = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim + 2 * self.num_v_heads,
+                                 bias=False)
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        src = super().checkpoint_sources()          # dt_bias and A_log keep their names
+        rows = {"q_proj": self.key_dim, "k_proj": self.key_dim, "v_proj": self.value_dim,
+                "g_proj": self.value_dim, "b_proj": self.num_v_heads, "a_proj": self.num_v_heads}
+        parts, offset = [], 0
+        for name, n in rows.items():
+            parts.append((f"{name}.weight", offset, n))
+            offset += n
+        src["in_proj.weight"] = parts
+        # the conv as three (OLMo-core's layout), sized by the file: HF's save_pretrained
+        # re-splits the q|k|v channels into equal thirds, OLMo-core's are key, key, value
+        src["conv1d.weight"] = [(f"{n}_conv1d.weight", None, None) for n in "qkv"]
+        src["out_proj.weight"] = [("o_proj.weight", 0, self.hidden_size)]
+        src["norm.weight"] = [("o_norm.weight", 0, self.head_v_dim)]
+        return src
+
+    def _project(self, hidden: torch.Tensor):
+        """-> mixed_qkv [T, conv_dim] (q|k|v), z [T, Hv, dv], b, a [T, Hv]."""
+        T, Hv = hidden.shape[0], self.num_v_heads
+        mixed_qkv, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.value_dim, Hv, Hv], dim=-1)
+        return mixed_qkv, z.reshape(T, Hv, self.head_v_dim), b, a
+
+
+class Qwen3_5GatedDeltaNet(SeparateGatedDeltaNet):
+    """Qwen3.5's Gated DeltaNet (HF `Qwen3_5GatedDeltaNet`): Qwen3-Next's math with the input
+    projections split per part and head-major, in_proj_qkv (q|k|v, already the conv's channel
+    order), in_proj_z, in_proj_b and in_proj_a, stacked into the one fused `in_proj` of
+    `SeparateGatedDeltaNet`; conv1d, dt_bias, A_log, norm and out_proj keep HF's names."""
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        src = GatedDeltaNet.checkpoint_sources(self)
+        rows = {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim,
+                "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads}
+        parts, offset = [], 0
+        for name, n in rows.items():
+            parts.append((f"{name}.weight", offset, n))
+            offset += n
+        src["in_proj.weight"] = parts
+        return src

@@ -40,8 +40,7 @@ _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
 }
 _NOT_YET_COMPLETION = {**_NOT_YET_COMMON, "suffix": _unset}
 _NOT_YET_CHAT = {
-    **_NOT_YET_COMMON, "echo": _unset, "tools": _unset, "functions": _unset, "tool_choice": _is("none", "auto"),
-    "function_call": _is("none", "auto"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
+    **_NOT_YET_COMMON, "echo": _unset, "functions": _unset, "function_call": _is("none", "auto"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
     "prediction": _unset, "web_search_options": _unset, "reasoning_effort": _unset, "verbosity": _unset,
     "store": _unset, "service_tier": _is("auto", "default"),
 }
@@ -272,8 +271,9 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_special_tokens: bool = False    # extension: the chat template holds the special tokens
-    # Meaningless without tools (which are refused), so accepting them ignores nothing.
-    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = None       # runtime/tool_calls.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None         # `required` may return several calls either way
     metadata: dict[str, str] | None = None     # only stored with `store`, which is refused
     prompt_cache_key: str | None = None        # prefix caching is automatic here
     # Chat-template controls (vLLM's): end on an open assistant turn (add_generation_prompt),

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -15,10 +16,12 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from runtime import tool_calls
 from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from runtime.limits import ParamError, short_repr
 from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from runtime.outputs import RequestOutput
+from runtime.structured_outputs import StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -41,8 +44,10 @@ def _sse(data: dict | str) -> str:
 class OpenAIServer:
     """The HTTP routes; one instance per served model."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None):
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
+                 tool_parser: str | None = None):
         self.engine = engine
+        self.tool_parser = tool_calls.get_parser(tool_parser or engine.engine.spec.tool_parser)
         self.model_name = model_name
         self.api_key = api_key
         self.max_model_len = engine.engine.max_model_len
@@ -55,13 +60,19 @@ class OpenAIServer:
             raise APIError(404, f"The model {short_repr(name)} does not exist.", "model", "model_not_found",
                            "NotFoundError")
 
-    async def start(self, prompts: list, body, max_tokens: int | None, logprobs: int | None):
+    async def start(self, prompts: list, body, max_tokens: int | None, logprobs: int | None,
+                    constraint: StructuredOutputsParams | None = None):
         """Validate every prompt and enqueue it with its n samples (the engine forks them:
         runtime/parallel_sampling.py); all or nothing. Returns the call's id and, per prompt,
         (prompt index, request, stream)."""
         try:
             body.check()
             params = body.sampling_params(max_tokens, logprobs)
+            if constraint is not None:                  # tool_choice required / a named function
+                if params.structured_outputs is not None:
+                    raise ParamError(f"{body.structured_field}: cannot be combined with tool_choice "
+                                     f"{body.tool_choice!r}", body.structured_field)
+                params = dataclasses.replace(params, structured_outputs=constraint)
             if params.structured_outputs is not None:   # compile on a worker thread, not the engine's
                 await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured_outputs,
                                         body.structured_field)
@@ -208,7 +219,7 @@ class OpenAIServer:
     def _stream_completion(self, body, started, head) -> AsyncIterator[str]:
         echo, echoed = self._echo(body, started), set()
 
-        def choice(delta: str, i: int) -> dict:
+        def choice(delta: str, i: int, out: RequestOutput) -> dict:
             if i not in echoed:             # the prompt goes out ahead of a choice's first text
                 echoed.add(i)
                 delta = echo.get(i // body.n, "") + delta
@@ -236,39 +247,72 @@ class OpenAIServer:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         try:
             body.check()
-            messages = body.template_messages()
+            messages = tool_calls.template_messages(body.template_messages())
+            tools, mode = tool_calls.check_tools(body.tools, body.tool_choice)
         except ParamError as e:
             raise _bad_param(e) from None
+        if mode == "auto" and self.tool_parser is None:
+            raise APIError(400, "tool_choice: 'auto' needs a tool parser for this model (tool_parser in its zoo "
+                           "YAML, or --tool-call-parser); use 'required', 'none' or a named function", "tool_choice")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, chat_template=body.chat_template,
                 **(body.chat_template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
             raise APIError(400, f"chat template failed: {short_repr(str(e), 200)}", "messages") from None
         # The template already holds the special tokens: by default encode without adding more.
         prompt = {"prompt": text, "add_special_tokens": body.add_special_tokens}
-        base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k)
+        constraint = tool_calls.constraint(tools, mode) if mode else None
+        base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k, constraint)
         rid, created = f"chatcmpl-{base}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            return StreamingResponse(self._stream_chat(body, started, head), media_type="text/event-stream")
+            return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
         finals = await self.collect(raw, started, body.n)
-        choices = [{"index": i, "message": {"role": "assistant", "content": out.outputs[0].text},
-                    "logprobs": self.chat_logprobs(out, body.top_logprobs), "finish_reason": out.outputs[0].finish_reason,
-                    **self._token_ids(body, out, prompt=False)}
+        choices = [{"index": i, **self._message(out, mode, "message"),
+                    "logprobs": self.chat_logprobs(out, body.top_logprobs), **self._token_ids(body, out, prompt=False)}
                    for i, out in sorted(finals.items())]
         extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
         return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
 
-    async def _stream_chat(self, body, started, head) -> AsyncIterator[str]:
+    def _message(self, out: RequestOutput, mode: str | None, key: str) -> dict:
+        """A choice's message (or final delta) and finish reason: with tools, the calls the
+        text holds (parsed, or constrained by tool_choice) and the content around them."""
+        c = out.outputs[0]
+        content, calls = c.text, []
+        if mode == "auto":
+            content, calls = self.tool_parser.parse(c.text)
+        elif mode not in (None, "none"):
+            content, calls = None, tool_calls.calls_from_constrained(mode, c.text)
+            if not calls:           # cut off before the call was complete: what it wrote
+                content = c.text
+        msg = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            msg["tool_calls"] = [call.to_openai(j if key == "delta" else None) for j, call in enumerate(calls)]
+        # OpenAI: a forced (named) call finishes "stop"; calls the model chose, "tool_calls".
+        reason = "tool_calls" if calls and c.finish_reason == "stop" and not mode.startswith("named:") \
+            else c.finish_reason
+        return {key: msg, "finish_reason": reason}
+
+    async def _stream_chat(self, body, started, head, mode: str | None = None) -> AsyncIterator[str]:
         for i in range(len(started) * body.n):
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
+        tools = mode not in (None, "none")
+
+        def choice(delta: str, i: int, out: RequestOutput) -> dict | None:
+            if not tools:
+                return {"delta": {"content": delta} if delta else {}}
+            if not out.finished:    # calls can only be told apart from content once complete
+                return None
+            final = self._message(out, mode, "delta")
+            final["delta"].pop("role")
+            return final
+
         async for event in self._stream(body, started, head,
-                                        lambda out, start: self.chat_logprobs(out, body.top_logprobs, start),
-                                        lambda delta, i: {"delta": {"content": delta} if delta else {}}):
+                                        lambda out, start: self.chat_logprobs(out, body.top_logprobs, start), choice):
             yield event
 
     async def _stream(self, body, started, head, logprobs, choice) -> AsyncIterator[str]:
@@ -284,10 +328,14 @@ class OpenAIServer:
                 delta = c.text[sent_text.get(i, 0): upto]
                 lp = logprobs(out, sent_tokens.get(i, 0))
                 if delta or out.finished or (lp and next(iter(lp.values()))):
+                    part = choice(delta, i, out)
+                    if part is None:       # held back (tool calls are sent whole at the end)
+                        continue
                     sent_text[i] = max(upto, sent_text.get(i, 0))
                     sent_tokens[i] = len(c.token_ids)
-                    yield _sse({**head, "choices": [{"index": i, **choice(delta, i), "logprobs": lp,
-                                                     "finish_reason": c.finish_reason if out.finished else None}]})
+                    yield _sse({**head, "choices": [{"index": i, "logprobs": lp,
+                                                     "finish_reason": c.finish_reason if out.finished else None,
+                                                     **part}]})
                 if out.finished:
                     finals.append(out)
             if body.stream_options and body.stream_options.include_usage:

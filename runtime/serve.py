@@ -34,8 +34,9 @@ log = logging.getLogger("zooinfer")
 
 
 def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
-              api_key: str | None = None, max_body_bytes: int = 4 << 20, body_timeout: float = 30.0) -> FastAPI:
-    server = OpenAIServer(engine, model_name, api_key)
+              api_key: str | None = None, max_body_bytes: int = 4 << 20, body_timeout: float = 30.0,
+              tool_parser: str | None = None) -> FastAPI:
+    server = OpenAIServer(engine, model_name, api_key, tool_parser)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -114,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (cuda + flashinfer)")
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
+    ap.add_argument("--tool-call-parser", default=None,
+                    help="how tool calls are found in the model's text for tool_choice auto (hermes); "
+                         "default: the spec's tool_parser")
     ap.add_argument("--max-body-bytes", type=int, default=4 << 20)
     ap.add_argument("--body-timeout", type=float, default=30.0,
                     help="seconds a client has to send a request body in full (else 408)")
@@ -160,7 +164,14 @@ def main(argv: list[str] | None = None) -> int:
              engine.kv_manager.pool.num_usable_blocks * config.block_size, engine.max_model_len)
     async_engine = AsyncEngine(engine, metrics)
     async_engine.start()
-    app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes, args.body_timeout)
+    try:
+        app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes, args.body_timeout,
+                        args.tool_call_parser)
+    except ValueError as e:          # an unknown tool parser (flag or spec)
+        print(f"error: {e}", file=sys.stderr)
+        async_engine.shutdown()
+        sock.close()
+        return 2
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=args.graceful_timeout))
     try:

@@ -69,8 +69,11 @@ def _run(llm: LLM):
     pytest.param("zoo/mistral-sw-small.yaml", marks=pytest.mark.slow),      # sliding window
     pytest.param("zoo/qwen3-next-small.yaml", marks=pytest.mark.slow),      # gated DeltaNet + MoE
     pytest.param("zoo/granite-hybrid-small.yaml", marks=pytest.mark.slow),  # mamba2 + granite MoE
+    "zoo/lfm2-small.yaml",                                                  # short_conv + attention
+    pytest.param("zoo/smollm3-small.yaml", marks=pytest.mark.slow),         # rope + NoPE layers
+    pytest.param("zoo/olmo-hybrid-small.yaml", marks=pytest.mark.slow),     # separate-proj DeltaNet, post norms
     pytest.param("zoo/minimax-small.yaml", marks=pytest.mark.slow),         # lightning attention + MoE
-    pytest.param("zoo/qwen3.5-small.yaml", marks=pytest.mark.slow),         # split-projection DeltaNet
+    pytest.param("zoo/qwen3.5-small.yaml", marks=pytest.mark.slow),         # DeltaNet, Qwen3.5's projections
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
     eager = LLM(spec, **ENGINE)

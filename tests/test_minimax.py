@@ -1,5 +1,5 @@
 """MiniMax (`minimax`, MiniMax-Text-01): lightning-attention layers around softmax attention,
-a Mixtral-style MoE, post-norm residuals scaled per sub-block. Greedy parity with HF generate
+a Mixtral-style MoE, normed-input residuals scaled per sub-block. Greedy parity with HF generate
 in every zoo_parity regime, the importer's reading of the config, and the zoo specs."""
 from __future__ import annotations
 

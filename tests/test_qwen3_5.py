@@ -1,6 +1,6 @@
 """Qwen3.5 text models (`qwen3_5_text` dense, `qwen3_5_moe_text` MoE): greedy parity with HF
-generate in every zoo_parity regime, the importer's reading of their configs (split DeltaNet
-projections, the multimodal config's text part), and the split layer against HF's own."""
+generate in every zoo_parity regime, the importer's reading of their configs (the DeltaNet's
+qwen3_5 projection layout, the multimodal checkpoint's text part), and the layer against HF's own."""
 from __future__ import annotations
 
 import json
@@ -53,7 +53,7 @@ def test_import_reads_qwen3_5(family):
     name, ref = family
     spec = spec_from_hf_dir(ref.path)
     assert spec.layer_kinds == ["gated_deltanet"] * 3 + ["full_attention"]
-    assert spec.gated_deltanet.projection == "split"
+    assert spec.gated_deltanet.layout == "qwen3_5"
     assert spec.attention.output_gate and spec.attention.qk_norm and spec.norm.offset == 1.0
     assert spec.rope.partial_rotary_factor == 0.25
     assert (spec.moe is not None) == (name == "moe")
@@ -73,15 +73,15 @@ def test_multimodal_checkpoint_yields_text_part(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "qwen3_5"
     spec = spec_from_hf_dir(tmp_path)
     assert spec.layer_kinds == ["gated_deltanet"] * 3 + ["full_attention"]
-    assert spec.mlp.intermediate_size == 96 and spec.gated_deltanet.projection == "split"
+    assert spec.mlp.intermediate_size == 96 and spec.gated_deltanet.layout == "qwen3_5"
     assert spec.weight_name("layer") == "model.language_model.layers.{i}."
     assert spec.checkpoint.ignore == ["mtp.", "model.visual."]
     zoo_parity.check_regime(ref, "default")
 
 
 def test_split_layer_matches_hf():
-    """Our GatedDeltaNet with the split projection, loaded through the kind's weight sources
-    (four HF linears stacked into two), equals Qwen3_5GatedDeltaNet on a prompt, prefilled in
+    """Our Gated DeltaNet in the qwen3_5 layout, loaded through the kind's weight sources
+    (four HF input linears stacked into one), equals Qwen3_5GatedDeltaNet on a prompt, prefilled in
     two chunks from the stored state."""
     from transformers import Qwen3_5TextConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
@@ -99,7 +99,7 @@ def test_split_layer_matches_hf():
     spec = spec_from_dict({"name": "t", "vocab_size": VOCAB, "hidden_size": 64, "layers": {"num": 1, "pattern": ["gated_deltanet"]},
                            "attention": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16}, "mlp": {"intermediate_size": 8},
                            "gated_deltanet": {"num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 16, "head_v_dim": 16,
-                                              "projection": "split"}})
+                                              "layout": "qwen3_5"}})
     kind = KINDS["gated_deltanet"]
     ours = kind.make_mixer(spec, 0, None).eval()
     hf_sd = {"linear_attn." + k: v for k, v in hf.state_dict().items()}
@@ -132,6 +132,6 @@ def test_zoo_real_dimensions():
     dense, moe = load_spec(ZOO / "qwen3.5-9b.yaml"), load_spec(ZOO / "qwen3.5-moe-35b-a3b.yaml")
     for spec, layers in ((dense, 32), (moe, 40)):
         assert [i for i, k in enumerate(spec.layer_kinds) if k == "full_attention"] == list(range(3, layers, 4))
-        assert spec.gated_deltanet.projection == "split" and spec.attention.output_gate
+        assert spec.gated_deltanet.layout == "qwen3_5" and spec.attention.output_gate
     assert dense.moe is None and dense.mlp.intermediate_size == 12288
     assert moe.moe.num_experts == 256 and all(moe.ffn_kind(i) == "moe" for i in range(40))
