@@ -99,8 +99,8 @@ class MoESpec:
 
 @dataclass(slots=True)
 class ResidualSpec:
-    """Residuals that go on from the normed input (MiniMax's `postnorm`, DeepNorm-style): each sub-block
-    continues the stream from its normed input, x <- alpha * norm(x) + beta * f(norm(x)),
+    """Residuals that go on from the normed input (MiniMax's `postnorm`, DeepNorm-style): each
+    sub-block continues the stream from its normed input, x <- alpha * norm(x) + beta * f(norm(x)),
     instead of x <- x + f(norm(x)). alpha and beta per sub-block, keyed by the layer's
     `layers` entry (e.g. lightning_attention) for the token mixer and `mlp` for the
     feed-forward block; keys left out are 1."""
