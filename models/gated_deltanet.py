@@ -1,8 +1,10 @@
-"""Gated DeltaNet (Qwen3-Next linear attention) for the flattened, continuously-batched engine.
+"""Gated DeltaNet (Qwen3-Next linear attention) for the flattened, continuously-batched engine,
+and the plumbing every short-conv delta-rule layer shares (`DeltaRuleMixer`: Gated DeltaNet
+here, Kimi Delta Attention in models/kda.py).
 
 The layer works on `[num_tokens, hidden]` with no batch axis. Request i of the step owns tokens
 `meta.query_start_loc[i]:meta.query_start_loc[i+1]` and the state slot `meta.slots[i]` of two
-per-layer tensors that are updated in place (see `GatedDeltaNet.state_shapes`):
+per-layer tensors that are updated in place (see `DeltaRuleMixer.state_shapes`):
 
 - conv state `[num_slots, conv_dim, kernel - 1]`: the last `kernel - 1` *inputs* of the causal
   depthwise conv (the projected q|k|v channels before the conv), oldest first, so that the next
@@ -17,9 +19,9 @@ zero whatever the slot holds, so slots never need clearing.
 Paths: when `meta.all_decode` every request has one token and the step is one vectorised
 recurrent update over all requests (no Python loop, no host sync). Otherwise single-token
 requests are still grouped into one vectorised step, and each multi-token request (a prefill
-chunk) runs the causal conv over its chunk prefixed with the stored tail, then the chunked gated
-delta rule (HF's `torch_chunk_gated_delta_rule` math, chunks of up to 64 tokens) from its
-stored state; its final states are written back to its slot.
+chunk) runs the causal conv over its chunk prefixed with the stored tail, then the layer's
+chunked delta rule (chunks of up to 64 tokens) from its stored state; its final states are
+written back to its slot.
 
 Parameter names and shapes equal HF's `Qwen3NextGatedDeltaNet`, so its state_dict loads 1:1.
 """
@@ -42,6 +44,38 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[L, H, *d] -> [H, n, chunk_size, *d], end-padded with zeros to n whole chunks (zero k, v,
+    beta and log decay leave a delta-rule state unchanged; padded outputs are dropped)."""
+    x = x.transpose(0, 1)
+    pad = -x.shape[1] % chunk_size
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    return x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
+
+
+def from_chunks(out: torch.Tensor, length: int) -> torch.Tensor:
+    """[H, n, C, d] -> [length, H, d]: the inverse of `to_chunks`, padding dropped."""
+    return out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1)
+
+
+def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, intra: torch.Tensor, new_values: torch.Tensor,
+                    k_cumdecay: torch.Tensor, chunk_decay: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential part of a chunked (gated) delta rule: chunk by chunk, never token by token.
+
+    Per chunk i ([H, n, C, .] tensors indexed at i): q decayed to the chunk start (q_t * exp(G_t)),
+    k decayed to the chunk end (k_s * exp(G_C - G_s)), intra [C, C] (decayed q_t . k_s, s <= t),
+    the triangular-solved values and k_cumdecay (what the state at the chunk start subtracts from
+    them), chunk_decay (exp(G_C), [H, n, 1, 1] for a per-head decay, [H, n, dk, 1] per key
+    channel). Returns (out [H, n, C, dv], final state [H, dk, dv])."""
+    out = torch.empty_like(new_values)
+    for i in range(new_values.shape[1]):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out, state
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, state: torch.Tensor,
                            chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,16 +87,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     L = q.shape[0]
     chunk_size = min(chunk_size, L)
-    pad = (chunk_size - L % chunk_size) % chunk_size
-    # [H, L, d]; end-padding with zeros (k = v = beta = g = 0) leaves the state unchanged.
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x.transpose(0, 1), (0, pad)) for x in (beta, g))
-    H, n = q.shape[0], (L + pad) // chunk_size
-
+    q, k, v, g, beta = (to_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     v_beta = v * beta.unsqueeze(-1)
     k_beta = k * beta.unsqueeze(-1)
-    q, k, k_beta, v_beta = (x.reshape(H, n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
-    g = g.reshape(H, n, chunk_size)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
 
     cum = g.cumsum(-1)                                                   # [H, n, C]
@@ -72,27 +99,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False,
                                                unitriangular=True)
-    q = q * cum.exp().unsqueeze(-1)
-    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]                    # [H, n, 1, 1]
-
-    out = torch.empty_like(new_values)
-    for i in range(n):  # sequential over chunks of 64, never over tokens
-        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    out = out.reshape(H, -1, out.shape[-1])[:, :L].transpose(0, 1)
-    return out, state
+    out, state = delta_rule_scan(q * cum.exp().unsqueeze(-1), k * (cum[..., -1:] - cum).exp().unsqueeze(-1),
+                                 intra, new_values, k_cumdecay, cum[..., -1].exp()[..., None, None], state)
+    return from_chunks(out, L), state
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per request, vectorised over requests (HF torch_recurrent_gated_delta_rule math).
 
-    q, k: [R, H, dk] float32 (normalised, q scaled); v: [R, H, dv]; g, beta: [R, H];
+    q, k: [R, H, dk] float32 (normalised, q scaled); v: [R, H, dv]; beta: [R, H]; g (log decay):
+    [R, H] (one per head, Gated DeltaNet) or [R, H, dk] (one per key channel, KDA);
     state: [R, H, dk, dv] float32. Returns (out [R, H, dv], new state [R, H, dk, dv]).
     """
-    state = state * g.exp()[..., None, None]
+    decay = g.exp()
+    state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
     kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
@@ -100,10 +121,115 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out, state
 
 
-class GatedDeltaNet(nn.Module):
+class DeltaRuleMixer(nn.Module):
+    """What every short-conv delta-rule state layer shares: the causal conv over q|k|v with its
+    stored tail, the recurrent state, the decode / prefill paths, the paged entry points.
+
+    A subclass sets `conv1d` (depthwise, [conv_dim, 1, kernel]), `conv_dim`, `conv_kernel_size`,
+    `act`, `num_v_heads`, `head_k_dim`, `head_v_dim`, `chunk_rule` (the chunked delta rule of
+    its decay: fn(q, k, v, g, beta, state) -> (out, state)) and implements
+    `_project(hidden) -> (mixed_qkv [T, conv_dim], gates: list of [T, ...], z)`,
+    `_qkv_gates(conv_out, *gates) -> (q, k, v, g, beta)` in float32 and
+    `_finish(core, z, dtype) -> [T, hidden]`."""
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request state shapes (allocate `[num_slots, *shape]` per layer):
+        conv: (conv_dim, kernel - 1), the q|k|v channels' last kernel-1 conv inputs, oldest first;
+        recurrent: (num_v_heads, head_k_dim, head_v_dim), the delta-rule state S (o = q @ S)."""
+        return {"conv": (self.conv_dim, self.conv_kernel_size - 1),
+                "recurrent": (self.num_v_heads, self.head_k_dim, self.head_v_dim)}
+
+    # ---- per-path state updates --------------------------------------------------------------
+
+    def _decode(self, x: torch.Tensor, gates: list[torch.Tensor], conv_state: torch.Tensor,
+                recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """One token per request: x [R, conv_dim] -> core out [R, Hv, dv] (fp32)."""
+        w = self.conv1d.weight[:, 0, :]                                   # [C, K]
+        tail = conv_state[slots]                                          # [R, C, K-1]
+        tail = torch.where(has_init.view(-1, 1, 1), tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
+        window = torch.cat([tail.to(w.dtype), x.to(w.dtype).unsqueeze(-1)], dim=-1)   # [R, C, K]
+        conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
+        conv_out = self.act((window * w).sum(-1)).to(x.dtype)
+        q, k, v, g, beta = self._qkv_gates(conv_out, *gates)
+        S = recurrent_state[slots].float()
+        S = torch.where(has_init.view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
+        out, S = recurrent_gated_delta_step(q, k, v, g, beta, S)
+        recurrent_state[slots] = S.to(recurrent_state.dtype)
+        return out
+
+    def _prefill_one(self, x: torch.Tensor, gates: list[torch.Tensor], conv_state: torch.Tensor,
+                     recurrent_state: torch.Tensor, slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """One request's chunk: x [L, conv_dim]; slot, has_init: [1] tensors -> out [L, Hv, dv]."""
+        K1 = self.conv_kernel_size - 1
+        w = self.conv1d.weight
+        tail = conv_state.index_select(0, slot)[0]                        # [C, K-1]
+        tail = torch.where(has_init, tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
+        seq = torch.cat([tail.to(w.dtype), x.t().to(w.dtype)], dim=-1)    # [C, K-1+L]
+        conv_state.index_copy_(0, slot, seq[:, seq.shape[1] - K1:].unsqueeze(0).to(conv_state.dtype))
+        conv_out = F.conv1d(seq.unsqueeze(0), w, groups=self.conv_dim)[0]  # [C, L], no padding
+        conv_out = self.act(conv_out).t().to(x.dtype)
+        q, k, v, g, beta = self._qkv_gates(conv_out, *gates)
+        S = recurrent_state.index_select(0, slot)[0].float()
+        S = torch.where(has_init, S, torch.zeros((), dtype=S.dtype, device=S.device))
+        out, S = self.chunk_rule(q, k, v, g, beta, S)
+        recurrent_state.index_copy_(0, slot, S.unsqueeze(0).to(recurrent_state.dtype))
+        return out
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                meta: StateMetadata) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]; updates the states' slots in place.
+
+        In the all-decode path T must equal meta.num_reqs (pad slots alongside tokens). In the
+        mixed path, tokens past query_start_loc[-1] (padding) get a zero core output."""
+        mixed_qkv, gates, z = self._project(hidden)
+        core = self._core(mixed_qkv, gates, conv_state, recurrent_state, meta)
+        return self._finish(core, z, hidden.dtype)
+
+    def forward_paged(self, hidden: torch.Tensor, pages: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """States in pool pages: projections, gated norm and output projection stay in the
+        (compiled) graph; the conv and delta rule, which read and write the pages through the
+        step's host-side plan, run inside the `zooinfer::state_update` op (see `update_states`)."""
+        mixed_qkv, gates, z = self._project(hidden)
+        core = torch.ops.zooinfer.state_update([mixed_qkv, *gates], pages, layer_id,
+                                               [self.num_v_heads, self.head_v_dim])
+        return self._finish(core, z, hidden.dtype)
+
+    def update_states(self, inputs: list[torch.Tensor], states: list[torch.Tensor], plan) -> torch.Tensor:
+        """`zooinfer::state_update` body: inputs (mixed_qkv, *gates), states (conv, recurrent)."""
+        return self._core(inputs[0], inputs[1:], *states, plan.meta)
+
+    def _core(self, mixed_qkv: torch.Tensor, gates: list[torch.Tensor], conv_state: torch.Tensor,
+              recurrent_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
+        """Conv + delta rule over the step's tokens -> core [T, Hv, dv] fp32."""
+        if meta.all_decode:
+            return self._decode(mixed_qkv, gates, conv_state, recurrent_state, meta.slots,
+                                meta.has_initial_state)
+        T, device = mixed_qkv.shape[0], mixed_qkv.device
+        core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device)
+        qsl = meta.query_start_loc
+        singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+        if singles:  # decodes of a mixed step: one vectorised recurrent step
+            req = torch.tensor(singles, dtype=torch.long).to(device, non_blocking=True)
+            tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(device, non_blocking=True)
+            core[tok] = self._decode(mixed_qkv[tok], [x[tok] for x in gates], conv_state, recurrent_state,
+                                     meta.slots[req], meta.has_initial_state[req])
+        for i in range(meta.num_reqs):
+            s, e = qsl[i], qsl[i + 1]
+            if e - s > 1:
+                core[s:e] = self._prefill_one(mixed_qkv[s:e], [x[s:e] for x in gates], conv_state,
+                                              recurrent_state, meta.slots[i:i + 1],
+                                              meta.has_initial_state[i:i + 1])
+        return core
+
+
+class GatedDeltaNet(DeltaRuleMixer):
     """Qwen3-Next linear-attention layer; arguments mirror HF config fields:
     hidden_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
     linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act."""
+
+    chunk_rule = staticmethod(chunk_gated_delta_rule)
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
@@ -141,18 +267,9 @@ class GatedDeltaNet(nn.Module):
                    config.linear_key_head_dim, config.linear_value_head_dim,
                    config.linear_conv_kernel_dim, config.rms_norm_eps, config.hidden_act)
 
-    def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Per-request state shapes (allocate `[num_slots, *shape]` per layer):
-        conv: (conv_dim, kernel - 1), conv_dim = 2 * key_dim + value_dim (q|k|v channels),
-        the last kernel-1 conv inputs, oldest first;
-        recurrent: (num_v_heads, head_k_dim, head_v_dim), the delta-rule state S (o = q @ S)."""
-        return {"conv": (self.conv_dim, self.conv_kernel_size - 1),
-                "recurrent": (self.num_v_heads, self.head_k_dim, self.head_v_dim)}
-
-    # ---- projections -------------------------------------------------------------------------
-
     def _project(self, hidden: torch.Tensor):
-        """-> mixed_qkv [T, conv_dim] (q|k|v, heads in order), z [T, Hv, dv], b, a [T, Hv]."""
+        """-> mixed_qkv [T, conv_dim] (q|k|v, heads in order), gates [b, a] ([T, Hv] each),
+        z [T, Hv, dv]."""
         T = hidden.shape[0]
         nk, r = self.num_k_heads, self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
@@ -164,8 +281,8 @@ class GatedDeltaNet(nn.Module):
         # Explicit sizes: with T unbacked under torch.compile, -1 would need a T != 0 guard.
         mixed_qkv = torch.cat((q.reshape(T, self.key_dim), k.reshape(T, self.key_dim),
                                v.reshape(T, self.value_dim)), dim=-1)
-        return (mixed_qkv, z.reshape(T, self.num_v_heads, dv), b.reshape(T, self.num_v_heads),
-                a.reshape(T, self.num_v_heads))
+        return (mixed_qkv, [b.reshape(T, self.num_v_heads), a.reshape(T, self.num_v_heads)],
+                z.reshape(T, self.num_v_heads, dv))
 
     def _qkv_gates(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """Post-conv [N, conv_dim] -> fp32 q, k [N, Hv, dk] (l2-normed, q scaled), v [N, Hv, dv],
@@ -182,94 +299,9 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 
-    # ---- per-path state updates --------------------------------------------------------------
-
-    def _decode(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
-                recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-        """One token per request: x [R, conv_dim] -> core out [R, Hv, dv] (fp32)."""
-        w = self.conv1d.weight[:, 0, :]                                   # [C, K]
-        tail = conv_state[slots]                                          # [R, C, K-1]
-        tail = torch.where(has_init.view(-1, 1, 1), tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
-        window = torch.cat([tail.to(w.dtype), x.to(w.dtype).unsqueeze(-1)], dim=-1)   # [R, C, K]
-        conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
-        conv_out = self.act((window * w).sum(-1)).to(x.dtype)
-        q, k, v, g, beta = self._qkv_gates(conv_out, b, a)
-        S = recurrent_state[slots].float()
-        S = torch.where(has_init.view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
-        out, S = recurrent_gated_delta_step(q, k, v, g, beta, S)
-        recurrent_state[slots] = S.to(recurrent_state.dtype)
-        return out
-
-    def _prefill_one(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
-                     recurrent_state: torch.Tensor, slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-        """One request's chunk: x [L, conv_dim]; slot, has_init: [1] tensors -> out [L, Hv, dv]."""
-        K1 = self.conv_kernel_size - 1
-        w = self.conv1d.weight
-        tail = conv_state.index_select(0, slot)[0]                        # [C, K-1]
-        tail = torch.where(has_init, tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
-        seq = torch.cat([tail.to(w.dtype), x.t().to(w.dtype)], dim=-1)    # [C, K-1+L]
-        conv_state.index_copy_(0, slot, seq[:, seq.shape[1] - K1:].unsqueeze(0).to(conv_state.dtype))
-        conv_out = F.conv1d(seq.unsqueeze(0), w, groups=self.conv_dim)[0]  # [C, L], no padding
-        conv_out = self.act(conv_out).t().to(x.dtype)
-        q, k, v, g, beta = self._qkv_gates(conv_out, b, a)
-        S = recurrent_state.index_select(0, slot)[0].float()
-        S = torch.where(has_init, S, torch.zeros((), dtype=S.dtype, device=S.device))
-        out, S = chunk_gated_delta_rule(q, k, v, g, beta, S)
-        recurrent_state.index_copy_(0, slot, S.unsqueeze(0).to(recurrent_state.dtype))
-        return out
-
-    # ---- forward ----------------------------------------------------------------------------
-
-    def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-                meta: StateMetadata) -> torch.Tensor:
-        """hidden [T, hidden_size] -> [T, hidden_size]; updates the states' slots in place.
-
-        In the all-decode path T must equal meta.num_reqs (pad slots alongside tokens). In the
-        mixed path, tokens past query_start_loc[-1] (padding) get a zero core output."""
-        mixed_qkv, z, b, a = self._project(hidden)
-        core = self._core(mixed_qkv, b, a, conv_state, recurrent_state, meta)
-        return self._finish(core, z, hidden.dtype)
-
-    def forward_paged(self, hidden: torch.Tensor, pages: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """States in pool pages: projections, gated norm and out_proj stay in the (compiled)
-        graph; the conv and delta rule, which read and write the pages through the step's
-        host-side plan, run inside the `zooinfer::state_update` op (see `update_states`)."""
-        mixed_qkv, z, b, a = self._project(hidden)
-        core = torch.ops.zooinfer.state_update([mixed_qkv, b, a], pages, layer_id,
-                                               [self.num_v_heads, self.head_v_dim])
-        return self._finish(core, z, hidden.dtype)
-
-    def update_states(self, inputs: list[torch.Tensor], states: list[torch.Tensor], plan) -> torch.Tensor:
-        """`zooinfer::state_update` body: inputs (mixed_qkv, b, a), states (conv, recurrent)."""
-        mixed_qkv, b, a = inputs
-        return self._core(mixed_qkv, b, a, *states, plan.meta)
-
     def _finish(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm per value head on [T, Hv, dv], then out_proj. The token dim stays a dim of
         its own: under torch.compile with an unbacked token count, folding it into rows
         ([T * Hv, dv] and back) is miscompiled by inductor (torch 2.13, CPU)."""
         out = self.norm(core.to(dtype), z)
         return self.out_proj(out.flatten(1))
-
-    def _core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
-              recurrent_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        """Conv + gated delta rule over the step's tokens -> core [T, Hv, dv] fp32."""
-        if meta.all_decode:
-            return self._decode(mixed_qkv, b, a, conv_state, recurrent_state, meta.slots,
-                                meta.has_initial_state)
-        T, device = mixed_qkv.shape[0], mixed_qkv.device
-        core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device)
-        qsl = meta.query_start_loc
-        singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        if singles:  # decodes of a mixed step: one vectorised recurrent step
-            req = torch.tensor(singles, dtype=torch.long).to(device, non_blocking=True)
-            tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(device, non_blocking=True)
-            core[tok] = self._decode(mixed_qkv[tok], b[tok], a[tok], conv_state, recurrent_state,
-                                     meta.slots[req], meta.has_initial_state[req])
-        for i in range(meta.num_reqs):
-            s, e = qsl[i], qsl[i + 1]
-            if e - s > 1:
-                core[s:e] = self._prefill_one(mixed_qkv[s:e], b[s:e], a[s:e], conv_state,
-                                              recurrent_state, meta.slots[i:i + 1],
-                                              meta.has_initial_state[i:i + 1])
-        return core

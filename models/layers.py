@@ -64,14 +64,18 @@ class GatedRMSNorm(nn.Module):
     - `gate_first` (Mamba2 / Bamba `MambaRMSNormGated`): x * silu(gate), RMS-normalised over
       each group of `group_size` channels (None: all of them), times weight; float32 out.
     - otherwise (Qwen3-Next `Qwen3NextRMSNormGated`): RMS-normalised x times weight in x's
-      dtype, then times silu(gate); out in x's dtype."""
+      dtype, then times silu(gate); out in x's dtype;
+    - `sigmoid` (Kimi-Linear `KimiLinearRMSNormGated`): the same, all in float32 (weight
+      included) and times sigmoid(gate); out in x's dtype."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, gate_first: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, gate_first: bool = False,
+                 sigmoid: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.group_size = group_size
         self.gate_first = gate_first
+        self.sigmoid = sigmoid
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.gate_first:
@@ -84,6 +88,8 @@ class GatedRMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.sigmoid:
+            return (self.weight.float() * x * torch.sigmoid(gate.float())).to(dtype)
         x = self.weight * x.to(dtype)
         x = x * F.silu(gate.float())
         return x.to(dtype)
