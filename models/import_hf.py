@@ -61,6 +61,26 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
                        "mlp_only_layers": list(cfg.get("mlp_only_layers") or [])}
 
 
+def _kimi_linear(cfg: dict, spec: dict) -> None:
+    """Kimi-Linear: KDA layers and MLA layers without rope (KimiLinearAttention applies none),
+    per layer a dense MLP or MoE (`mlp_layer_types`, else `first_k_dense_replace`); the context
+    length is `model_max_length`. A config.json as Moonshot writes it (no `layer_types`) names
+    its layers in `linear_attn_config` (1-indexed `full_attn_layers`)."""
+    n = cfg["num_hidden_layers"]
+    lac = cfg.get("linear_attn_config") or {}
+    if not cfg.get("layer_types") and "full_attn_layers" in lac:
+        full = set(lac["full_attn_layers"])
+        kinds = ["mla" if i + 1 in full else "kda" for i in range(n)]
+        spec["layers"] = {"num": n, "kinds": kinds}
+        for kind in {k for k in kinds if k in KINDS}:
+            KINDS[kind].import_hf(cfg, spec)
+    mlp_types = cfg.get("mlp_layer_types") or ["dense" if i < cfg.get("first_k_dense_replace", 1) else "sparse"
+                                               for i in range(n)]
+    spec["layers"]["ffn"] = ["mlp" if t == "dense" else "moe" for t in mlp_types]
+    spec["rope"]["type"] = "none"
+    spec["max_model_len"] = int(cfg.get("model_max_length") or spec["max_model_len"])
+
+
 family("llama")
 family("mistral")
 family("qwen2", qkv_bias=True)
@@ -80,6 +100,9 @@ family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
 # block_sparse_moe / shared_mlp sit on the layer.
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        adjust=_granite_hybrid)
+# Kimi-Linear: KDA layers, 1 in 4 an MLA layer (no rope), a dense first MLP then sigmoid-routed
+# MoE with a shared expert (block_sparse_moe).
+family("kimi_linear", layer_types={"linear_attention": "kda", "full_attention": "mla"}, adjust=_kimi_linear)
 
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.

@@ -7,7 +7,7 @@ hook, gathered in one `LayerKind`, or `state_kind(...)` for a state layer) and o
 """
 from __future__ import annotations
 
-from models.kinds import attention, gated_deltanet, mamba2
+from models.kinds import attention, gated_deltanet, kda, mamba2
 from models.kinds.base import Fail, LayerKind, Sources, linear_sources, state_kind
 
 KINDS: dict[str, LayerKind] = {k.name: k for k in (
@@ -15,6 +15,7 @@ KINDS: dict[str, LayerKind] = {k.name: k for k in (
     attention.SLIDING,
     mamba2.KIND,
     gated_deltanet.KIND,
+    kda.KIND,
 )}
 
 
