@@ -191,7 +191,7 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // heads,
             "qk_norm": traits.get("qk_norm", False),
             "bias": traits.get("qkv_bias", attn_bias),
-            "o_bias": attn_bias and not traits.get("qkv_bias", False),
+            "o_bias": bool(cfg.get("attention_out_bias", attn_bias and not traits.get("qkv_bias", False))),
             "sliding_window": None,     # the sliding_attention kind's importer sets it
             "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar") if gemma else None,
         },
