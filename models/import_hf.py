@@ -61,6 +61,26 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
                        "mlp_only_layers": list(cfg.get("mlp_only_layers") or [])}
 
 
+def _checkpoint_has(spec: dict, fragment: str) -> bool:
+    """Whether a tensor name of the spec's checkpoint contains `fragment` (names from the
+    safetensors index or file headers; no tensor is read). An unreadable file: False, for the
+    loader to report."""
+    path = Path(spec["checkpoint"]["path"])
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.exists():
+            names = list(json.loads(index.read_text())["weight_map"])
+        else:
+            from safetensors import safe_open
+            names = []
+            for file in sorted(path.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as f:
+                    names.extend(f.keys())
+    except Exception:   # noqa: BLE001 (any unreadable checkpoint: the loader names the problem)
+        return False
+    return any(fragment in n for n in names)
+
+
 def _kimi_linear(cfg: dict, spec: dict) -> None:
     """Kimi-Linear: KDA layers and MLA layers without rope (KimiLinearAttention applies none),
     per layer a dense MLP or MoE (`mlp_layer_types`, else `first_k_dense_replace`); the context
@@ -77,6 +97,11 @@ def _kimi_linear(cfg: dict, spec: dict) -> None:
     mlp_types = cfg.get("mlp_layer_types") or ["dense" if i < cfg.get("first_k_dense_replace", 1) else "sparse"
                                                for i in range(n)]
     spec["layers"]["ffn"] = ["mlp" if t == "dense" else "moe" for t in mlp_types]
+    # Moonshot's checkpoints keep dense MLPs under `mlp.`; transformers' save_pretrained writes
+    # them under the MoE's `block_sparse_moe.` (it reverses its MoE rename on every layer).
+    if _checkpoint_has(spec, ".block_sparse_moe.gate_proj."):
+        spec.setdefault("weight_names", {}).update(
+            {p: f"block_sparse_moe.{p}_proj" for p in ("gate", "up", "down")})
     spec["rope"]["type"] = "none"
     spec["max_model_len"] = int(cfg.get("model_max_length") or spec["max_model_len"])
 
