@@ -1,17 +1,23 @@
 """Kimi Delta Attention: the chunked channel-wise rule against a per-token recurrence, and the
 layer against HF's KimiLinearDeltaAttention (torch path, whole sequence, no cache) whatever
-the chunking, batching and slots, states carried across calls."""
+the chunking, batching and slots, states carried across calls (Gated DeltaNet's schedules)."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from attention.state import StateMetadata
 from models import kda
 from models.gated_deltanet import l2norm
 from models.kda import KimiDeltaAttention, chunk_kda
-from tests.test_gated_deltanet import HIDDEN, check_schedule, new_states
+from tests.test_gated_deltanet import HIDDEN
+# Gated DeltaNet's schedules (whole sequences, chunks across steps and 64-token chunks, varlen
+# batches with slots out of order, decodes mixed with chunks, the vectorised all-decode path,
+# first chunks shorter than the conv tail), run here on this module's `layers` fixture.
+from tests.test_gated_deltanet import (test_all_decode_path_is_vectorised, test_chunked_prefill,  # noqa: F401
+                                       test_decode_after_prefill, test_first_chunks_shorter_than_conv_tail,
+                                       test_long_sequence_spans_chunks, test_varlen_batch_slots_out_of_order,
+                                       test_whole_sequence)
 
 torch.set_num_threads(1)
 
@@ -123,49 +129,7 @@ def test_state_shapes(layers):
     assert ours.state_shapes() == {"conv": (3 * HEADS * DK, 3), "recurrent": (HEADS, DK, DK)}
 
 
-def test_whole_sequence(layers):
-    hf, ours = layers
-    torch.manual_seed(10)
-    x = torch.randn(37, HIDDEN)
+def test_output_is_not_trivial(layers):
+    hf, _ = layers
     with torch.no_grad():
-        assert hf(x[None], None, None)[0].abs().mean() > 1e-2   # non-trivial output
-    check_schedule(hf, ours, {0: x}, [[(0, 37)]], {0: 2})
-
-
-def test_long_sequence_spans_chunks(layers):
-    hf, ours = layers
-    torch.manual_seed(11)
-    x = torch.randn(150, HIDDEN)   # > 2 chunks of 64 in one step, then split across steps
-    check_schedule(hf, ours, {0: x}, [[(0, 150)]], {0: 0})
-    check_schedule(hf, ours, {0: x}, [[(0, 70)], [(0, 3)], [(0, 77)]], {0: 0})
-
-
-def test_chunked_prefill_then_decode(layers):
-    hf, ours = layers
-    torch.manual_seed(12)
-    x = torch.randn(40, HIDDEN)
-    check_schedule(hf, ours, {0: x}, [[(0, n)] for n in (2, 5, 13, 1, 1, 17, 1)], {0: 4})
-
-
-def test_varlen_batch_decodes_and_chunks_mixed(layers):
-    hf, ours = layers
-    torch.manual_seed(13)
-    # request 2 has a 1-token prompt: its first step is an all-decode step with no initial state
-    seqs = {0: torch.randn(13, HIDDEN), 1: torch.randn(26, HIDDEN), 2: torch.randn(5, HIDDEN)}
-    steps = [[(1, 20), (0, 8)],
-             [(0, 1), (1, 1)],                    # all decode
-             [(2, 1), (0, 1), (1, 1)],            # all decode, request 2 starting fresh
-             [(0, 1), (1, 3), (2, 1)],            # mixed: decodes grouped plus one chunk
-             [(2, 2), (0, 1), (1, 1)],
-             [(0, 1), (2, 1)]]
-    check_schedule(hf, ours, seqs, steps, {0: 5, 1: 1, 2: 3})
-
-
-def test_all_decode_path_is_vectorised(layers, monkeypatch):
-    _, ours = layers
-    monkeypatch.setattr(ours, "_prefill_one", lambda *a, **k: pytest.fail("prefill path in decode"))
-    conv, rec = new_states(ours)
-    meta = StateMetadata.build([1, 1, 1], [3, 0, 5], [True, False, True])
-    assert meta.all_decode
-    with torch.no_grad():
-        ours(torch.randn(3, HIDDEN), conv, rec, meta)
+        assert hf(torch.randn(1, 37, HIDDEN), None, None).abs().mean() > 1e-2
