@@ -20,6 +20,13 @@ CUDA graphs (runtime/worker/cuda_graphs.py) use `graph_metadata` / `plan_graph`:
 bucket a decode wrapper built on static index buffers, re-planned in place before each replay.
 flashinfer is imported only when this backend is constructed; nothing here runs on CPU except
 the pure planning helpers.
+
+Packed pool pages (cache/pool_layout.py: a model whose KV cache groups' pages differ in bytes
+packs small-page layers into one pool page, so such a layer's cache is a view whose block
+stride is the pool page, not its own page) are UNVERIFIED with FlashInfer: recent FlashInfer
+releases read a paged cache through its strides, but no GPU has checked it here. Until one
+does, `forward` refuses a cache that is not contiguous rather than risk reading another
+layer's pages; use the triton backend (stride-generic) for such models.
 """
 from __future__ import annotations
 
@@ -199,6 +206,12 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ------------------------------------------------------------- running
     def forward(self, q, k, v, kv_cache, meta: FlashInferMetadata, scale: float):
         self._forward_seen = True
+        if not kv_cache.is_contiguous():      # packed pool pages: unverified here (see the module docstring)
+            raise ValueError(
+                f"flashinfer backend: this layer's KV cache is a strided view (block stride "
+                f"{kv_cache.stride(0)} elements, page {kv_cache[0].numel()}): its KV cache groups' pages "
+                f"differ in size and share pool pages, which is not verified with FlashInfer yet; "
+                f"use attention_backend='triton'")
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         rows = kv_cache.view(-1, num_kv_heads, head_dim)
         rows.index_copy_(0, meta.k_rows, k.to(kv_cache.dtype))

@@ -23,6 +23,9 @@ per step into
   only when a layer needs it.
 The only Python-level work per layer is a handful of kernel calls; nothing loops over tokens
 or requests. Sliding-window groups read only the keys inside the window.
+A layer's cache may be a strided view (pages a pool page apart, cache/pool_layout.py): the C++
+kernels and the padded path read it in place; the sparse decode path, which sees the whole
+cache as one row matrix, needs a contiguous cache and otherwise hands over to the padded path.
 """
 from __future__ import annotations
 
@@ -203,30 +206,41 @@ class TorchAttentionBackend(AttentionBackend):
         # Write this step's keys and values: one token's K is one row of the cache seen as
         # [blocks * 2 * block_size, kv_heads * head_dim], its V `block_size` rows further on.
         # On CPU `paged_attention.write_kv` does both rows in one pass, straight from strided k / v.
+        # A packed layer's cache (cache/pool_layout.py) is a view whose pages lie a pool page
+        # apart: the C++ kernels step by that block stride, the torch paths below index it.
+        contiguous = kv_cache.is_contiguous()
         if not paged_attention.write_kv(kv_cache, k, v, meta.slot_mapping):
-            if meta.kv_rows is None:   # block * 2B + offset: the K row of each token
+            if contiguous:
+                if meta.kv_rows is None:   # block * 2B + offset: the K row of each token
+                    s = meta.slot_mapping
+                    meta.kv_rows = s + (s // block_size) * block_size
+                slabs = kv_cache.view(-1, num_kv_heads * head_dim)
+                slabs.index_copy_(0, meta.kv_rows, k.reshape(num_tokens, -1).to(kv_cache.dtype))
+                slabs.index_copy_(0, meta.kv_rows + block_size, v.reshape(num_tokens, -1).to(kv_cache.dtype))
+            else:   # strided pages: index (block, K|V, offset) of each token
                 s = meta.slot_mapping
-                meta.kv_rows = s + (s // block_size) * block_size
-            slabs = kv_cache.view(-1, num_kv_heads * head_dim)
-            slabs.index_copy_(0, meta.kv_rows, k.reshape(num_tokens, -1).to(kv_cache.dtype))
-            slabs.index_copy_(0, meta.kv_rows + block_size, v.reshape(num_tokens, -1).to(kv_cache.dtype))
+                blk, off = s // block_size, s % block_size
+                kv_cache.index_put_((blk, torch.zeros_like(blk), off), k.to(kv_cache.dtype))
+                kv_cache.index_put_((blk, torch.ones_like(blk), off), v.to(kv_cache.dtype))
         out = torch.empty_like(q)
         parts = meta.parts
         d = meta.decodes
         if d is not None:
             if (d.kernel is not None and q.dtype == kv_cache.dtype == torch.float32
-                    and kv_cache.is_contiguous()):
+                    and paged_attention.pages_contiguous(kv_cache)):
                 table, rows, seq_lens, window = d.kernel
                 paged_attention.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out)
-            elif q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES:
+            elif q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES and contiguous:
+                # (the sparse path sees the whole cache as rows: contiguous caches only)
                 self._decode(q, kv_cache, d, scale, out)
-            else:   # no sparse kernel for this dtype: the padded path, planned once per step
+            else:   # no sparse kernel for this dtype or layout: the padded path, planned once per step
                 if d.fallback is None:
                     d.fallback = _make_part(meta.layout, d.rows, meta.device)
                 parts = [d.fallback, *parts]
         p = meta.prefills
         if p is not None:
-            if q.dtype == kv_cache.dtype == torch.float32 and kv_cache.is_contiguous() and head_dim <= 256:
+            if (q.dtype == kv_cache.dtype == torch.float32 and paged_attention.pages_contiguous(kv_cache)
+                    and head_dim <= 256):
                 paged_attention.paged_prefill(q, kv_cache, *p.kernel, scale, out)
             else:   # planned once per step, by the first layer that needs it
                 if p.fallback is None:
@@ -262,7 +276,8 @@ class TorchAttentionBackend(AttentionBackend):
         num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape
         n, max_q = part.token_index.shape
         # Gather whole K pages and whole V pages as rows of 2-D views: plain row copies,
-        # several times faster on CPU than advanced indexing over the 5-D tensor.
+        # several times faster on CPU than advanced indexing over the 5-D tensor (a view of
+        # each page's K|V halves, so strided pages work too).
         pages = kv_cache.view(num_blocks, 2, -1)
         keys = pages[:, 0].index_select(0, part.pages).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = pages[:, 1].index_select(0, part.pages).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)

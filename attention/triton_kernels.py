@@ -2,7 +2,9 @@
 
 Both kernels read the cache in the layout every backend shares,
 ``[num_blocks, 2 (K|V), block_size, num_kv_heads, head_dim]``, through its strides, and read
-q/k/v through theirs, so the (often non-contiguous) projections are never copied.
+q/k/v through theirs, so the (often non-contiguous) projections are never copied, and a
+layer packed into a larger pool page (cache/pool_layout.py: its block stride is the pool page,
+not its own page) is read in place with no change.
 
 Attention is one flash-attention style program per (query tile, group of query heads sharing
 one kv head). Keys are loaded straight from their pages through the block table, one

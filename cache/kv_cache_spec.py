@@ -1,13 +1,13 @@
-"""What one layer needs per block, and how layers group into KV cache groups.
+"""What one layer needs per block, and the cache layout the runtime allocates.
 
 Layers with equal specs share one block table per request (a KV cache group). All groups
-draw from one pool of equal-size pages: a group's layer j keeps its page b in shared buffer
-j, so a block id belongs to one group at a time and memory flows to whichever layer kind
-needs it (the buffers are sized by the largest page; smaller pages are padded).
+draw from one pool of equal-size pool pages in `num_buffers` shared buffers, so a block id
+belongs to one group at a time and memory flows to whichever layer kind needs it. The pool
+page is at least the largest page; a group whose pages are smaller packs several of its
+layers into one pool page (cache/pool_layout.py decides the grouping and packing).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -32,6 +32,14 @@ class KVCacheSpec:
         at most `chunk_tokens` tokens per step (None: all at once)."""
         return self.max_blocks_for(num_tokens)
 
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """How a layer of this spec sees its pages: `num_blocks` first, then one page of
+        `page_size_bytes // dtype.itemsize` elements in the spec's `dtype` (every KV spec has
+        a `dtype` field). The runner views each layer's slice of the shared buffers in this
+        shape, so a new KV spec plugs in by defining `page_size_bytes`, `dtype` and this;
+        the block stride of that view may exceed the page (packed pool pages)."""
+        raise NotImplementedError(f"{type(self).__name__} must define cache_shape(num_blocks)")
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionSpec(KVCacheSpec):
@@ -43,6 +51,11 @@ class AttentionSpec(KVCacheSpec):
     def page_size_bytes(self) -> int:
         """Bytes of one block for one layer (K and V)."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Block-major, K page then V page, token-major inside: every attention backend's
+        layout (FlashInfer's "NHD" single-tensor cache)."""
+        return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +119,12 @@ class KVCacheGroup:
 class KVCacheConfig:
     """The cache layout the runtime allocates.
 
-    `num_buffers` buffers of `num_blocks` pages of `page_size_bytes` each; layer j of every
-    group (j < num_buffers) lives in buffer j. Every group has exactly `num_buffers` layers.
+    `num_buffers` buffers of `num_blocks` pool pages of `page_size_bytes` each; block id b is
+    page b of every buffer and belongs to one group at a time. Layer j of a group sits in
+    buffer `j % num_buffers` at byte offset `(j // num_buffers) * spec.page_size_bytes` of the
+    pool page (`group_slots`): a group of pages at most half the pool page packs several of
+    its layers into each buffer, the rest of the page is padding (`page_use`). State groups
+    take whole pool pages (`spec.pages` per request), one layer per buffer.
     """
     num_blocks: int
     block_size: int
@@ -122,23 +139,34 @@ class KVCacheConfig:
     def layer_to_group(self) -> dict[int, int]:
         return {layer: gid for gid, g in enumerate(self.groups) for layer in g.layer_ids}
 
+    def group_slots(self, group: KVCacheGroup) -> list[tuple[int, int]]:
+        """(buffer, byte offset in the pool page) of each of the group's layers, in order."""
+        n, page = self.num_buffers, group.spec.page_size_bytes
+        return [(j % n, (j // n) * page) for j in range(len(group.layer_ids))]
+
+    def layer_slots(self) -> dict[int, tuple[int, int]]:
+        """layer -> (buffer, byte offset in the pool page)."""
+        return {layer: slot for g in self.groups for layer, slot in zip(g.layer_ids, self.group_slots(g))}
+
     def layer_to_buffer(self) -> dict[int, int]:
-        return {layer: j for g in self.groups for j, layer in enumerate(g.layer_ids)}
+        return {layer: buf for layer, (buf, _) in self.layer_slots().items()}
 
+    def group_spans(self, gid: int) -> list[tuple[int, int]]:
+        """(buffer, bytes) for each buffer group `gid` uses: its layers there fill the first
+        `bytes` of the pool page (whole pages for states). A page copy of the group moves
+        exactly these bytes, so it never touches another group's memory."""
+        group = self.groups[gid]
+        used: dict[int, int] = {}
+        for buf, off in self.group_slots(group):
+            end = self.page_size_bytes if isinstance(group.spec, StateSpec) else off + group.spec.page_size_bytes
+            used[buf] = max(used.get(buf, 0), end)
+        return sorted(used.items())
 
-def group_layers(layer_specs: dict[int, KVCacheSpec]) -> list[KVCacheGroup]:
-    """Group layers by spec, then split every group into groups of the same size (the gcd
-    of the per-spec layer counts), so that each can map its layers 1:1 onto the shared
-    buffers. Gemma 3's 15 sliding + 3 full layers become 6 groups of 3."""
-    # States live in pool pages: give them the pool's page size (the largest KV page, or the
-    # state itself when no layer has KV) so they know how many pages they take.
-    kv_pages = [s.page_size_bytes for s in layer_specs.values() if not isinstance(s, StateSpec)]
-    page = max(kv_pages) if kv_pages else max(s.state_bytes for s in layer_specs.values())
-    layer_specs = {i: dataclasses.replace(s, pool_page_bytes=page) if isinstance(s, StateSpec) else s
-                   for i, s in layer_specs.items()}
-    by_spec: dict[KVCacheSpec, list[int]] = {}
-    for layer_id in sorted(layer_specs):
-        by_spec.setdefault(layer_specs[layer_id], []).append(layer_id)
-    size = math.gcd(*(len(ids) for ids in by_spec.values()))
-    return [KVCacheGroup(spec, ids[i: i + size]) for spec, ids in by_spec.items()
-            for i in range(0, len(ids), size)]
+    def page_use(self, gid: int) -> tuple[int, int]:
+        """(pool bytes, bytes its layers use) of one unit group `gid` allocates: a block for KV
+        groups, a request's state (`spec.pages` blocks) for state groups. The difference is
+        padding: pool page bytes no layer uses."""
+        group = self.groups[gid]
+        if isinstance(group.spec, StateSpec):
+            return group.spec.pages * self.bytes_per_block, len(group.layer_ids) * group.spec.state_bytes
+        return self.bytes_per_block, len(group.layer_ids) * group.spec.page_size_bytes

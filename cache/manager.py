@@ -229,6 +229,16 @@ MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
 }
 
 
+def manager_for(spec: KVCacheSpec) -> type[SingleTypeKVCacheManager]:
+    """The manager of the nearest registered class in the spec's MRO: a new spec that keeps
+    every block (an MLA latent cache, a K-only cache) subclasses FullAttentionSpec, or one of
+    its own registers here."""
+    for cls in type(spec).__mro__:
+        if cls in MANAGER_FOR_SPEC:
+            return MANAGER_FOR_SPEC[cls]
+    raise TypeError(f"no KV cache manager for {type(spec).__name__}; add it to cache.manager.MANAGER_FOR_SPEC")
+
+
 class KVCacheManager:
     """Facade over the pool and one manager per KV cache group."""
 
@@ -236,7 +246,7 @@ class KVCacheManager:
         self.config = config
         self.block_size = config.block_size
         self.pool = BlockPool(config.num_blocks)
-        self.managers = [MANAGER_FOR_SPEC[type(g.spec)](g.spec, self.pool, gid)
+        self.managers = [manager_for(g.spec)(g.spec, self.pool, gid)
                          for gid, g in enumerate(config.groups)]
         self.enable_caching = enable_caching
         self.state_managers = [m for m in self.managers if isinstance(m, StateManager)]
@@ -401,13 +411,23 @@ class KVCacheManager:
         return self.pool.get_usage()
 
     def stats(self) -> dict:
-        pool = self.pool
-        per_group = [
-            {"group": gid, "layers": len(g.layer_ids), "kind": type(g.spec).__name__,
-             "blocks_in_use": sum(m.num_live_blocks(r) for r in m.req_to_blocks)}
-            for gid, (g, m) in enumerate(zip(self.config.groups, self.managers))]
+        """Pool and per-group counters. Per group: its layers, kind, the blocks its requests
+        hold and `page_use`, the share of each of its blocks' pool bytes its layers use (below
+        1 where its pages are smaller than the pool page and pack with padding). Pool-wide
+        `padding_bytes_in_use`: bytes of the blocks in use (held by a request) that no layer
+        uses; cached blocks at ref_cnt 0 and state checkpoints are free for this count."""
+        pool, cfg = self.pool, self.config
+        per_group, padding = [], 0
+        for gid, (g, m) in enumerate(zip(cfg.groups, self.managers)):
+            blocks = sum(m.num_live_blocks(r) for r in m.req_to_blocks)
+            pool_bytes, layer_bytes = cfg.page_use(gid)
+            units = blocks // g.spec.pages if isinstance(g.spec, StateSpec) else blocks
+            padding += units * (pool_bytes - layer_bytes)
+            per_group.append({"group": gid, "layers": len(g.layer_ids), "kind": type(g.spec).__name__,
+                              "blocks_in_use": blocks, "page_use": layer_bytes / pool_bytes})
         return {"num_blocks": pool.num_usable_blocks, "num_free_blocks": pool.get_num_free_blocks(),
                 "block_size": self.block_size, "usage": pool.get_usage(), "groups": per_group,
+                "padding_bytes_in_use": padding,
                 "prefix_caching": self.enable_caching,
                 "prefix_cache_queries": self.prefix_cache_queries, "prefix_cache_hits": self.prefix_cache_hits,
                 "prefix_cache_hit_rate": self.prefix_cache_hits / max(1, self.prefix_cache_queries),

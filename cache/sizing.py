@@ -1,19 +1,22 @@
 """KV sizing: how many blocks a byte budget (or an explicit count) buys for a layer layout."""
 from __future__ import annotations
 
-from cache.kv_cache_spec import KVCacheConfig, KVCacheSpec, group_layers
+from cache.kv_cache_spec import KVCacheConfig, KVCacheSpec
+from cache.pool_layout import check_layout, plan_pool_layout
 
 
 def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], block_size: int, *,
                          num_blocks: int | None = None, memory_bytes: int | None = None,
                          min_tokens: int = 0, max_num_seqs: int | None = None,
-                         chunk_tokens: int | None = None) -> KVCacheConfig:
+                         chunk_tokens: int | None = None, pack: bool = True) -> KVCacheConfig:
     """Size the cache from `num_blocks` or from `memory_bytes`.
 
-    A block id covers one layer of a group in each shared buffer, so a block costs the
-    largest page times the number of buffers, and a request takes block ids in every group
-    from the one pool. `min_tokens` (usually max_model_len) sets the floor: one request of
-    that length in every group; less is a configuration error, said up front. A byte budget
+    A block id covers a group's layers in every shared buffer (several per buffer where the
+    group's pages are small enough to pack, cache/pool_layout.py), so a block costs the pool
+    page times the number of buffers, and a request takes block ids in every group from the
+    one pool. `pack=False`: one layer per pool page (small pages padded), for comparisons.
+    `min_tokens` (usually max_model_len) sets the floor: one request of that length in every
+    group; less is a configuration error, said up front. A byte budget
     never buys more blocks than `max_num_seqs` such requests can use. `chunk_tokens` (the
     scheduler's token budget) bounds what a window-limited group holds at once.
     """
@@ -21,11 +24,11 @@ def make_kv_cache_config(layer_specs: dict[int, KVCacheSpec], block_size: int, *
         raise ValueError("model declares no KV cache layers")
     if num_blocks is None and memory_bytes is None:
         raise ValueError("give num_kv_blocks or a KV memory budget")
-    groups = group_layers(layer_specs)
-    config = KVCacheConfig(num_blocks=0, block_size=block_size, groups=groups,
-                           page_size_bytes=max(g.spec.page_size_bytes for g in groups),
-                           num_buffers=len(groups[0].layer_ids))
-    per_request = sum(g.spec.max_live_blocks(min_tokens, chunk_tokens) for g in groups)
+    layout = plan_pool_layout(layer_specs, pack)
+    config = KVCacheConfig(num_blocks=0, block_size=block_size, groups=layout.groups,
+                           page_size_bytes=layout.page_size_bytes, num_buffers=layout.num_buffers)
+    check_layout(config)
+    per_request = sum(g.spec.max_live_blocks(min_tokens, chunk_tokens) for g in config.groups)
     if num_blocks is None:
         num_blocks = memory_bytes // config.bytes_per_block
         if max_num_seqs is not None:

@@ -8,6 +8,11 @@ preemption): varlen causal attention straight from the pages, no padding to the 
 chunk and no masked upper triangle (`python -m bench.cpu_attention --prefill` compares it
 with the padded SDPA). `write_kv` stores a step's keys and values into their pages in one
 pass. Callers check `cpu_build.available()` first (`write_kv` checks it itself).
+
+All three read a layer's cache `[blocks, 2, block_size, kv_heads, head_dim]` through its block
+stride: each page must be contiguous (`pages_contiguous`), but pages may lie further apart than
+one page, as they do when the pool packs several small-page layers into one pool page
+(cache/pool_layout.py; the layer's cache is then a strided view of the shared buffer).
 """
 from __future__ import annotations
 
@@ -16,13 +21,26 @@ import torch
 from kernels import cpu_build
 
 
+def pages_contiguous(kv_cache: torch.Tensor) -> bool:
+    """Whether the kernels can read `kv_cache`: `[blocks, 2, block_size, kv_heads, head_dim]`
+    with every page (dims 1-4) contiguous and pages at least a page apart (any block stride).
+    Mirrors `pages_contiguous` in kernels/cpu/paged_checks.h."""
+    if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
+        return False
+    _, _, bs, heads, dim = kv_cache.shape
+    s = kv_cache.stride()
+    return ((s[4] == 1 or dim == 1) and (s[3] == dim or heads == 1) and (s[2] == heads * dim or bs == 1)
+            and s[1] == bs * heads * dim and (s[0] >= 2 * bs * heads * dim or kv_cache.shape[0] == 1))
+
+
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
                  token_index: torch.Tensor, seq_lens: torch.Tensor, window: int | None, scale: float,
                  out: torch.Tensor) -> None:
     """Decode attention written into `out[token_index]`.
 
     q, out: float32 `[num_tokens, heads, head_dim]` (any strides, last dim contiguous);
-    kv_cache: one layer's contiguous `[blocks, 2, block_size, kv_heads, head_dim]` float32;
+    kv_cache: one layer's `[blocks, 2, block_size, kv_heads, head_dim]` float32 with contiguous
+    pages (any block stride);
     block_table: int32 `[num_reqs, max_blocks]`; rows, token_index, seq_lens: int64 `[n]`
     (block table row, query token and context length incl. the new token of each decode);
     window: sliding window (keys at positions > seq_len - 1 - window) or None.
@@ -39,8 +57,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     """Causal attention of several query tokens per request, written into `out` at their rows.
 
     q, out: float32 `[num_tokens, heads, head_dim]` (any strides, last dim contiguous; head_dim
-    <= 256); kv_cache: one layer's contiguous `[blocks, 2, block_size, kv_heads, head_dim]`
-    float32 holding every key the queries see (this step's included); block_table: int32
+    <= 256); kv_cache: one layer's `[blocks, 2, block_size, kv_heads, head_dim]` float32 with
+    contiguous pages (any block stride) holding every key the queries see (this step's included); block_table: int32
     `[num_reqs, max_blocks]`; rows, query_start, query_lens, seq_lens: int64 `[n]` (block table
     row, first query token, number of query tokens and context length after this step of each
     request). Request i's queries sit at positions seq_len - query_len ... seq_len - 1 and see
@@ -54,15 +72,15 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
     """Store k[t], v[t] (`[tokens, kv_heads, head_dim]`, the cache's dtype) at cache slot
-    slots[t] (int64, block * block_size + offset) of one layer's contiguous CPU cache
-    `[blocks, 2, block_size, kv_heads, head_dim]`, in one pass. k and v may be strided views
+    slots[t] (int64, block * block_size + offset) of one layer's CPU cache
+    `[blocks, 2, block_size, kv_heads, head_dim]` with contiguous pages (any block stride), in one pass. k and v may be strided views
     (e.g. of the qkv projection) as long as each token's row is contiguous. Returns False,
     writing nothing, when the kernel does not apply (library off or missing, other layouts);
     the caller then writes with torch."""
     def rows_ok(x: torch.Tensor) -> bool:
         return (x.dim() == 3 and x.dtype == kv_cache.dtype and x.device.type == "cpu" and x.stride(2) == 1
                 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]))
-    if not (kv_cache.device.type == "cpu" and kv_cache.is_contiguous() and slots.dtype == torch.int64
+    if not (kv_cache.device.type == "cpu" and pages_contiguous(kv_cache) and slots.dtype == torch.int64
             and rows_ok(k) and rows_ok(v) and cpu_build.available()):
         return False
     torch.ops.zooinfer_cpu.write_kv(kv_cache, k, v, slots)

@@ -96,12 +96,13 @@ class CausalLM(nn.Module):
             ours = f"layers.{i}."
             ffn = s.ffn_kind(i)
             layer = self.layers[i]
-            if layer.cache_ids:
+            if layer.cache_ids and not layer.post_norm:
                 src[ours + "input_layernorm.weight"] = [(hf + name("input_norm"), 0, s.hidden_size)]
             if ffn != "none":
                 src[ours + "post_attention_layernorm.weight"] = [(hf + name("post_attn_norm"), 0, s.hidden_size)]
             if s.norm.sandwich:
                 src[ours + "pre_feedforward_layernorm.weight"] = [(hf + name("pre_ffn_norm"), 0, s.hidden_size)]
+            if s.norm.sandwich or layer.post_norm:
                 src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
             if ffn == "moe":
                 src.update(moe_sources(s, ours + "mlp.", hf + (name("moe") + "." if name("moe") else "")))

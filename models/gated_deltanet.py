@@ -17,13 +17,14 @@ per-layer tensors that are updated in place (see `DeltaRuleMixer.state_shapes`):
 zero whatever the slot holds, so slots never need clearing.
 
 Paths: when `meta.all_decode` every request has one token and the step is one vectorised
-recurrent update over all requests (no Python loop, no host sync). Otherwise single-token
-requests are still grouped into one vectorised step, and each multi-token request (a prefill
-chunk) runs the causal conv over its chunk prefixed with the stored tail, then the layer's
-chunked delta rule (chunks of up to 64 tokens) from its stored state; its final states are
-written back to its slot.
+recurrent update over all requests (no Python loop, no host sync). Otherwise the causal conv
+runs over every token of the step at once, each request's chunk prefixed with its stored tail
+(models.causal_conv); single-token requests are still grouped into one vectorised step, and
+each multi-token request (a prefill chunk) runs the layer's chunked delta rule (chunks of up
+to 64 tokens) from its stored state; its final states are written back to its slot.
 
 Parameter names and shapes equal HF's `Qwen3NextGatedDeltaNet`, so its state_dict loads 1:1.
+`SeparateGatedDeltaNet` is OLMo-Hybrid's variant: other input projections, the same rest.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from torch import nn
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata
 from models.activations import activation
+from models.causal_conv import ConvPlan, conv_step, conv_varlen, step_conv_plan
 from models.layers import GatedRMSNorm
 
 CHUNK_SIZE = 64
@@ -48,8 +50,7 @@ def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
     """[L, H, *d] -> [H, n, chunk_size, *d], end-padded with zeros to n whole chunks (zero k, v,
     beta and log decay leave a delta-rule state unchanged; padded outputs are dropped)."""
     x = x.transpose(0, 1)
-    pad = -x.shape[1] % chunk_size
-    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, -x.shape[1] % chunk_size))
     return x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
 
 
@@ -66,7 +67,7 @@ def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, intra: torch.Tensor, new_v
     Per chunk i ([H, n, C, .] tensors indexed at i): q decayed to the chunk start (q_t * exp(G_t)),
     k decayed to the chunk end (k_s * exp(G_C - G_s)), intra [C, C] (decayed q_t . k_s, s <= t),
     the triangular-solved values and k_cumdecay (what the state at the chunk start subtracts from
-    them), chunk_decay (exp(G_C), [H, n, 1, 1] for a per-head decay, [H, n, dk, 1] per key
+    them), chunk_decay (exp(G_C): [H, n, 1, 1] for a decay per head, [H, n, dk, 1] per key
     channel). Returns (out [H, n, C, dv], final state [H, dk, dv])."""
     out = torch.empty_like(new_values)
     for i in range(new_values.shape[1]):
@@ -123,13 +124,13 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 class DeltaRuleMixer(nn.Module):
     """What every short-conv delta-rule state layer shares: the causal conv over q|k|v with its
-    stored tail, the recurrent state, the decode / prefill paths, the paged entry points.
+    stored tail, the recurrent state, the decode / mixed paths and the paged entry points.
 
-    A subclass sets `conv1d` (depthwise, [conv_dim, 1, kernel]), `conv_dim`, `conv_kernel_size`,
-    `act`, `num_v_heads`, `head_k_dim`, `head_v_dim`, `chunk_rule` (the chunked delta rule of
-    its decay: fn(q, k, v, g, beta, state) -> (out, state)) and implements
-    `_project(hidden) -> (mixed_qkv [T, conv_dim], gates: list of [T, ...], z)`,
-    `_qkv_gates(conv_out, *gates) -> (q, k, v, g, beta)` in float32 and
+    A subclass sets `conv1d` (depthwise, weight [conv_dim, 1, kernel]), `conv_dim`,
+    `conv_kernel_size`, `act`, `num_v_heads`, `head_k_dim`, `head_v_dim` and `chunk_rule` (its
+    chunked delta rule, fn(q, k, v, g, beta, state) -> (out, state)), and implements
+    `_project(hidden) -> (mixed_qkv [T, conv_dim], z, *gates)` (gates: [T, ...] tensors the
+    state op takes), `_qkv_gates(conv_out, *gates) -> (q, k, v, g, beta)` in float32 and
     `_finish(core, z, dtype) -> [T, hidden]`."""
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -144,12 +145,12 @@ class DeltaRuleMixer(nn.Module):
     def _decode(self, x: torch.Tensor, gates: list[torch.Tensor], conv_state: torch.Tensor,
                 recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
         """One token per request: x [R, conv_dim] -> core out [R, Hv, dv] (fp32)."""
-        w = self.conv1d.weight[:, 0, :]                                   # [C, K]
-        tail = conv_state[slots]                                          # [R, C, K-1]
-        tail = torch.where(has_init.view(-1, 1, 1), tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
-        window = torch.cat([tail.to(w.dtype), x.to(w.dtype).unsqueeze(-1)], dim=-1)   # [R, C, K]
-        conv_state[slots] = window[:, :, 1:].to(conv_state.dtype)
-        conv_out = self.act((window * w).sum(-1)).to(x.dtype)
+        conv_out = self.act(conv_step(x, conv_state, slots, has_init, self.conv1d.weight[:, 0])).to(x.dtype)
+        return self._recurrent_step(conv_out, gates, recurrent_state, slots, has_init)
+
+    def _recurrent_step(self, conv_out: torch.Tensor, gates: list[torch.Tensor],
+                        recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """The delta rule for one post-conv token per request -> [R, Hv, dv] (fp32)."""
         q, k, v, g, beta = self._qkv_gates(conv_out, *gates)
         S = recurrent_state[slots].float()
         S = torch.where(has_init.view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
@@ -157,17 +158,10 @@ class DeltaRuleMixer(nn.Module):
         recurrent_state[slots] = S.to(recurrent_state.dtype)
         return out
 
-    def _prefill_one(self, x: torch.Tensor, gates: list[torch.Tensor], conv_state: torch.Tensor,
-                     recurrent_state: torch.Tensor, slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-        """One request's chunk: x [L, conv_dim]; slot, has_init: [1] tensors -> out [L, Hv, dv]."""
-        K1 = self.conv_kernel_size - 1
-        w = self.conv1d.weight
-        tail = conv_state.index_select(0, slot)[0]                        # [C, K-1]
-        tail = torch.where(has_init, tail, torch.zeros((), dtype=tail.dtype, device=tail.device))
-        seq = torch.cat([tail.to(w.dtype), x.t().to(w.dtype)], dim=-1)    # [C, K-1+L]
-        conv_state.index_copy_(0, slot, seq[:, seq.shape[1] - K1:].unsqueeze(0).to(conv_state.dtype))
-        conv_out = F.conv1d(seq.unsqueeze(0), w, groups=self.conv_dim)[0]  # [C, L], no padding
-        conv_out = self.act(conv_out).t().to(x.dtype)
+    def _prefill_one(self, conv_out: torch.Tensor, gates: list[torch.Tensor], recurrent_state: torch.Tensor,
+                     slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """One request's chunk after the conv: conv_out [L, conv_dim]; slot, has_init: [1]
+        tensors -> out [L, Hv, dv], the chunked delta rule from its stored state."""
         q, k, v, g, beta = self._qkv_gates(conv_out, *gates)
         S = recurrent_state.index_select(0, slot)[0].float()
         S = torch.where(has_init, S, torch.zeros((), dtype=S.dtype, device=S.device))
@@ -183,7 +177,7 @@ class DeltaRuleMixer(nn.Module):
 
         In the all-decode path T must equal meta.num_reqs (pad slots alongside tokens). In the
         mixed path, tokens past query_start_loc[-1] (padding) get a zero core output."""
-        mixed_qkv, gates, z = self._project(hidden)
+        mixed_qkv, z, *gates = self._project(hidden)
         core = self._core(mixed_qkv, gates, conv_state, recurrent_state, meta)
         return self._finish(core, z, hidden.dtype)
 
@@ -191,49 +185,54 @@ class DeltaRuleMixer(nn.Module):
         """States in pool pages: projections, gated norm and output projection stay in the
         (compiled) graph; the conv and delta rule, which read and write the pages through the
         step's host-side plan, run inside the `zooinfer::state_update` op (see `update_states`)."""
-        mixed_qkv, gates, z = self._project(hidden)
+        mixed_qkv, z, *gates = self._project(hidden)
         core = torch.ops.zooinfer.state_update([mixed_qkv, *gates], pages, layer_id,
                                                [self.num_v_heads, self.head_v_dim])
         return self._finish(core, z, hidden.dtype)
 
     def update_states(self, inputs: list[torch.Tensor], states: list[torch.Tensor], plan) -> torch.Tensor:
         """`zooinfer::state_update` body: inputs (mixed_qkv, *gates), states (conv, recurrent)."""
-        return self._core(inputs[0], inputs[1:], *states, plan.meta)
+        return self._core(inputs[0], inputs[1:], *states, plan.meta, step_conv_plan(plan, self.conv_kernel_size))
 
     def _core(self, mixed_qkv: torch.Tensor, gates: list[torch.Tensor], conv_state: torch.Tensor,
-              recurrent_state: torch.Tensor, meta: StateMetadata) -> torch.Tensor:
-        """Conv + delta rule over the step's tokens -> core [T, Hv, dv] fp32."""
+              recurrent_state: torch.Tensor, meta: StateMetadata, conv_plan: ConvPlan | None = None) -> torch.Tensor:
+        """Conv + delta rule over the step's tokens -> core [T, Hv, dv] fp32. The conv runs
+        over every token at once; the delta rule as one vectorised step over the single-token
+        requests and chunked (64-token chunks) per longer request."""
         if meta.all_decode:
             return self._decode(mixed_qkv, gates, conv_state, recurrent_state, meta.slots,
                                 meta.has_initial_state)
         T, device = mixed_qkv.shape[0], mixed_qkv.device
+        conv_plan = conv_plan or ConvPlan.build(meta, self.conv_kernel_size)
+        conv_out = conv_varlen(mixed_qkv, conv_state, meta, conv_plan, self.conv1d.weight[:, 0])
+        conv_out = self.act(conv_out).to(mixed_qkv.dtype)
         core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device)
         qsl = meta.query_start_loc
         singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
         if singles:  # decodes of a mixed step: one vectorised recurrent step
             req = torch.tensor(singles, dtype=torch.long).to(device, non_blocking=True)
             tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(device, non_blocking=True)
-            core[tok] = self._decode(mixed_qkv[tok], [x[tok] for x in gates], conv_state, recurrent_state,
-                                     meta.slots[req], meta.has_initial_state[req])
+            core[tok] = self._recurrent_step(conv_out[tok], [x[tok] for x in gates], recurrent_state,
+                                             meta.slots[req], meta.has_initial_state[req])
         for i in range(meta.num_reqs):
             s, e = qsl[i], qsl[i + 1]
             if e - s > 1:
-                core[s:e] = self._prefill_one(mixed_qkv[s:e], [x[s:e] for x in gates], conv_state,
-                                              recurrent_state, meta.slots[i:i + 1],
-                                              meta.has_initial_state[i:i + 1])
+                core[s:e] = self._prefill_one(conv_out[s:e], [x[s:e] for x in gates], recurrent_state,
+                                              meta.slots[i:i + 1], meta.has_initial_state[i:i + 1])
         return core
 
 
 class GatedDeltaNet(DeltaRuleMixer):
     """Qwen3-Next linear-attention layer; arguments mirror HF config fields:
     hidden_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
-    linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act."""
+    linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act (and OLMo-Hybrid's
+    linear_allow_neg_eigval: beta = 2 * sigmoid(b))."""
 
     chunk_rule = staticmethod(chunk_gated_delta_rule)
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
-                 hidden_act: str = "silu"):
+                 hidden_act: str = "silu", allow_neg_eigval: bool = False):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"linear_num_value_heads ({num_v_heads}) must be a multiple of "
@@ -251,11 +250,11 @@ class GatedDeltaNet(DeltaRuleMixer):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.activation = hidden_act
         self.act = act
+        self.beta_scale = 2.0 if allow_neg_eigval else 1.0   # beta in [0, 2]: negative eigenvalues
 
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, kernel_size=conv_kernel_size, bias=False,
                                 groups=self.conv_dim, padding=conv_kernel_size - 1)
-        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, 2 * num_v_heads, bias=False)
+        self._make_projections()
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
         self.norm = GatedRMSNorm(head_v_dim, eps=rms_norm_eps)
@@ -267,9 +266,20 @@ class GatedDeltaNet(DeltaRuleMixer):
                    config.linear_key_head_dim, config.linear_value_head_dim,
                    config.linear_conv_kernel_dim, config.rms_norm_eps, config.hidden_act)
 
+    # ---- projections -------------------------------------------------------------------------
+
+    def _make_projections(self) -> None:
+        """HF's two fused input projections: per key head [q | k | v | z], then [b | a]."""
+        self.in_proj_qkvz = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(self.hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Our parameter -> [(checkpoint name relative to the layer's prefix, row offset, rows)]:
+        HF's Qwen3NextGatedDeltaNet names, 1:1."""
+        return {name: [(name, 0, p.shape[0])] for name, p in self.named_parameters()}
+
     def _project(self, hidden: torch.Tensor):
-        """-> mixed_qkv [T, conv_dim] (q|k|v, heads in order), gates [b, a] ([T, Hv] each),
-        z [T, Hv, dv]."""
+        """-> mixed_qkv [T, conv_dim] (q|k|v, heads in order), z [T, Hv, dv], b, a [T, Hv]."""
         T = hidden.shape[0]
         nk, r = self.num_k_heads, self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
@@ -281,8 +291,8 @@ class GatedDeltaNet(DeltaRuleMixer):
         # Explicit sizes: with T unbacked under torch.compile, -1 would need a T != 0 guard.
         mixed_qkv = torch.cat((q.reshape(T, self.key_dim), k.reshape(T, self.key_dim),
                                v.reshape(T, self.value_dim)), dim=-1)
-        return (mixed_qkv, [b.reshape(T, self.num_v_heads), a.reshape(T, self.num_v_heads)],
-                z.reshape(T, self.num_v_heads, dv))
+        return (mixed_qkv, z.reshape(T, self.num_v_heads, dv), b.reshape(T, self.num_v_heads),
+                a.reshape(T, self.num_v_heads))
 
     def _qkv_gates(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
         """Post-conv [N, conv_dim] -> fp32 q, k [N, Hv, dk] (l2-normed, q scaled), v [N, Hv, dv],
@@ -295,7 +305,7 @@ class GatedDeltaNet(DeltaRuleMixer):
         if r > 1:  # each q/k head serves r consecutive value heads
             q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
         v = v.float().view(N, self.num_v_heads, self.head_v_dim)
-        beta = b.float().sigmoid()
+        beta = b.float().sigmoid() * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 
@@ -305,3 +315,37 @@ class GatedDeltaNet(DeltaRuleMixer):
         ([T * Hv, dv] and back) is miscompiled by inductor (torch 2.13, CPU)."""
         out = self.norm(core.to(dtype), z)
         return self.out_proj(out.flatten(1))
+
+class SeparateGatedDeltaNet(GatedDeltaNet):
+    """OLMo-Hybrid's Gated DeltaNet (HF `OlmoHybridGatedDeltaNet`): the same conv and delta
+    rule, but q, k, v, the output gate, b and a come from separate projections of the layer
+    input, each head-major (all q heads, then all k heads, ...; no per-key-head interleave).
+    They run here as one fused `in_proj`, filled from the checkpoint's q_proj, k_proj, v_proj,
+    g_proj, b_proj and a_proj; its q_conv1d, k_conv1d and v_conv1d fill our one conv1d (HF
+    concatenates them on load), its o_proj and o_norm are our out_proj and norm."""
+
+    def _make_projections(self) -> None:
+        self.in_proj = nn.Linear(self.hidden_size, 2 * self.key_dim + 2 * self.value_dim + 2 * self.num_v_heads,
+                                 bias=False)
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        src = super().checkpoint_sources()          # dt_bias and A_log keep their names
+        rows = {"q_proj": self.key_dim, "k_proj": self.key_dim, "v_proj": self.value_dim,
+                "g_proj": self.value_dim, "b_proj": self.num_v_heads, "a_proj": self.num_v_heads}
+        parts, offset = [], 0
+        for name, n in rows.items():
+            parts.append((f"{name}.weight", offset, n))
+            offset += n
+        src["in_proj.weight"] = parts
+        # the conv as three (OLMo-core's layout), sized by the file: HF's save_pretrained
+        # re-splits the q|k|v channels into equal thirds, OLMo-core's are key, key, value
+        src["conv1d.weight"] = [(f"{n}_conv1d.weight", None, None) for n in "qkv"]
+        src["out_proj.weight"] = [("o_proj.weight", 0, self.hidden_size)]
+        src["norm.weight"] = [("o_norm.weight", 0, self.head_v_dim)]
+        return src
+
+    def _project(self, hidden: torch.Tensor):
+        """-> mixed_qkv [T, conv_dim] (q|k|v), z [T, Hv, dv], b, a [T, Hv]."""
+        T, Hv = hidden.shape[0], self.num_v_heads
+        mixed_qkv, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.value_dim, Hv, Hv], dim=-1)
+        return mixed_qkv, z.reshape(T, Hv, self.head_v_dim), b, a

@@ -129,6 +129,59 @@ family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_na
 # MoE with a shared expert (block_sparse_moe).
 family("kimi_linear", layer_types={"linear_attention": "kda", "full_attention": "mla"}, adjust=_kimi_linear)
 
+
+def lfm2_intermediate_size(cfg: dict) -> int:
+    """LFM2's real MLP width, as HF's Lfm2MLP computes it from the config: with
+    block_auto_adjust_ff_dim, 2/3 of intermediate_size, times block_ffn_dim_multiplier and
+    rounded up to block_multiple_of when a multiplier is set."""
+    size = cfg["intermediate_size"]
+    if cfg.get("block_auto_adjust_ff_dim", True):
+        size = int(2 * size / 3)
+        multiplier = cfg.get("block_ffn_dim_multiplier", 1.0)
+        if multiplier is not None:
+            multiple = cfg.get("block_multiple_of", 256)
+            size = multiple * ((int(multiplier * size) + multiple - 1) // multiple)
+    return size
+
+
+def _lfm2(cfg: dict, spec: dict) -> None:
+    """LFM2: `norm_eps`, the adjusted MLP width."""
+    spec["norm"]["eps"] = float(cfg.get("norm_eps", 1e-5))
+    spec["mlp"]["intermediate_size"] = lfm2_intermediate_size(cfg)
+
+
+# LFM2: short_conv layers ("conv") and full attention with per-head q/k norms; its own
+# checkpoint names (operator_norm / ffn_norm, feed_forward.w1/w3/w2, out_proj, the final norm
+# called embedding_norm); tied embeddings come from config.json.
+family("lfm2", qk_norm=True, adjust=_lfm2,
+       weight_names={"final_norm": "model.embedding_norm.weight", "input_norm": "operator_norm.weight",
+                     "post_attn_norm": "ffn_norm.weight", "o": "self_attn.out_proj",
+                     "q_norm": "self_attn.q_layernorm.weight", "k_norm": "self_attn.k_layernorm.weight",
+                     "gate": "feed_forward.w1", "up": "feed_forward.w3", "down": "feed_forward.w2"})
+
+# SmolLM3: Llama-style, every layer flagged 0 in `no_rope_layers` is NoPE (read for any family).
+family("smollm3")
+
+
+
+def _olmo_hybrid(cfg: dict, spec: dict) -> None:
+    """OLMo-Hybrid: its attention layers are OLMo 3's (post norms, q/k norms over all heads),
+    its linear-attention layers pre-norm Gated DeltaNet with separate projections and the
+    output norm's eps fixed at FLA's 1e-5."""
+    kinds = spec["layers"].get("kinds") or spec["layers"]["pattern"]
+    spec["layers"]["norm_position"] = ["post" if k == "full_attention" else "pre" for k in kinds]
+    spec["attention"].update(qk_norm=True, qk_norm_all_heads=True)
+    spec["gated_deltanet"].update(layout="separate", norm_eps=1e-5)
+
+
+# OLMo-Hybrid: gated DeltaNet (pre-norm) and OLMo 3 attention (post-norm) layers; the
+# checkpoint keeps OLMo-core's norm names (HF renames them on load): attention_layer_norm is
+# the linear layers' input norm, feedforward_layer_norm their pre-MLP norm and the attention
+# layers' post-attention norm.
+family("olmo_hybrid", adjust=_olmo_hybrid,
+       weight_names={"input_norm": "attention_layer_norm.weight", "post_attn_norm": "feedforward_layer_norm.weight"})
+
+
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.
 _UNSUPPORTED = {
@@ -141,7 +194,9 @@ _UNSUPPORTED = {
 def _rope(cfg: dict, params: dict | None = None) -> dict:
     if params is None:
         params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = params["rope_theta"] if "rope_theta" in params else cfg.get("rope_theta", 10000.0)
+    if theta is None:     # OLMo-Hybrid's released checkpoints: rope_theta null means no rope
+        return {"type": "none"}
     rope = {"theta": float(theta), "type": params.get("rope_type", params.get("type", "default"))}
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf is not None:
@@ -172,6 +227,22 @@ def _layer_kinds(cfg: dict, traits: dict, where: Path) -> list[str]:
     return ["sliding_attention" if windowed else "full_attention"] * num_layers
 
 
+def _no_rope(cfg: dict, kinds: list[str], where: Path) -> list[str]:
+    """`no_rope_layers` (SmolLM3, Llama 4): a 0 at layer i makes its attention kind the `_nope`
+    twin (no rotary), a 1 keeps rope."""
+    flags = cfg.get("no_rope_layers")
+    if flags is None:
+        return kinds
+    if len(flags) < len(kinds):
+        raise SpecError(f"{where}: no_rope_layers: lists {len(flags)} layers but num_hidden_layers is {len(kinds)}")
+    out = []
+    for i, (kind, rope) in enumerate(zip(kinds, flags)):
+        if not rope and kind + "_nope" not in KINDS:
+            raise SpecError(f"{where}: no_rope_layers[{i}]: layer {i} is {kind!r}, which has no NoPE variant")
+        out.append(kind if rope else kind + "_nope")
+    return out
+
+
 def _eos(cfg: dict, hf_dir: Path) -> list[int]:
     """eos_token_id of config.json, then generation_config.json's extra ones."""
     eos = cfg.get("eos_token_id")
@@ -193,7 +264,7 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     for key, harmless in _UNSUPPORTED.items():
         if cfg.get(key) not in harmless:
             raise SpecError(f"{where}: {key}: {cfg[key]!r}: this mechanism is not supported yet")
-    kinds = _layer_kinds(cfg, traits, where)
+    kinds = _no_rope(cfg, _layer_kinds(cfg, traits, where), where)
     rope_params = cfg.get("rope_parameters") or {}
     per_kind = isinstance(rope_params.get("full_attention"), dict)
     heads = cfg["num_attention_heads"]

@@ -139,7 +139,9 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        if self.rotary_dim and fused.use_kernel(q, k, self.cos):
+        if not self.rotary_dim:    # rope type none (NoPE layers, Granite 4.0-H): no table lookup
+            return q, k
+        if fused.use_kernel(q, k, self.cos):
             return fused.rope(positions, q, k, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1)   # [tokens, 1, rotary_dim/2]
         sin = self.sin[positions].unsqueeze(1)
@@ -161,8 +163,11 @@ class Attention(nn.Module):
         q_rows = self.q_size * (2 if a.output_gate else 1)   # gated: per head [query | gate]
         self.qkv_proj = nn.Linear(spec.hidden_size, q_rows + 2 * self.kv_size, bias=a.bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=a.o_bias)
-        self.q_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
-        self.k_norm = RMSNorm(a.head_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
+        # per head (Qwen3), or over the whole q / k projection (OLMo 2/3: qk_norm_all_heads)
+        self.qk_norm_all_heads = a.qk_norm_all_heads
+        q_dim, k_dim = (self.q_size, self.kv_size) if a.qk_norm_all_heads else (a.head_dim, a.head_dim)
+        self.q_norm = RMSNorm(q_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.rotary = rotary
         self.scale = a.scale if a.scale is not None else (a.query_pre_attn_scalar or a.head_dim) ** -0.5
 
@@ -173,10 +178,12 @@ class Attention(nn.Module):
         if self.output_gate:
             q, gate = q.view(-1, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(-1, self.q_size)
+        if self.q_norm is not None and self.qk_norm_all_heads:
+            q, k = self.q_norm(q.reshape(-1, self.q_size)), self.k_norm(k)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         o = paged_attention_op()(q, k, v, kv_cache, self.layer_id, self.scale)   # v: a strided view; backends take it
@@ -215,6 +222,8 @@ class DecoderLayer(nn.Module):
     MLP-only layer (Nemotron-H), and `mlp` None a mixer-only one. With sandwich norms
     (Gemma 2/3) each sub-block's output is normed too before the residual add:
     x + post_attn_norm(attn(input_norm(x))), then x + post_ffn_norm(mlp(pre_ffn_norm(x))).
+    A post-norm layer (`layers.norm_position` post: OLMo 2/3) norms only the outputs:
+    x + post_attn_norm(attn(x)), then x + post_ffn_norm(mlp(x)).
     Every residual add runs fused with the norm that follows it (`RMSNorm.add_forward`), vLLM
     style: the block's last add happens in the next layer's first norm (or the final norm)."""
 
@@ -235,7 +244,8 @@ class DecoderLayer(nn.Module):
             self.mlp = make_moe(spec, layer_id)
         else:
             self.mlp = GatedMLP(spec) if ffn == "mlp" else None
-        if self._mixers:
+        self.post_norm = spec.post_norm(layer_id)
+        if self._mixers and not self.post_norm:
             self.input_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         if self.mlp is not None:
             self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
@@ -243,6 +253,7 @@ class DecoderLayer(nn.Module):
         self.residual_multiplier = spec.residual_multiplier
         if n.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
+        if n.sandwich or self.post_norm:
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
 
     def _mix(self, positions, h, caches):
@@ -269,6 +280,11 @@ class DecoderLayer(nn.Module):
         norm (the next layer's first norm, or the final norm) in one fused pass, as vLLM does.
         The first layer gets the embeddings as `x` and residual None. `caches`: one per mixer."""
         multiplier = self.delta_multiplier     # scales x, the previous layer's delta
+        if self.post_norm:                     # the sub-blocks read the stream itself, un-normed
+            h = x if residual is None else residual + x * multiplier
+            x = self.post_attention_layernorm(self._mix(positions, h, caches))
+            h = h + x * self.residual_multiplier if self.residual_multiplier != 1.0 else h + x
+            return self.post_feedforward_layernorm(self.mlp(h)), h
         if self._mixers:
             h, residual = self._add_norm(self.input_layernorm, x, residual, multiplier)
             x = self._mix(positions, h, caches)

@@ -76,11 +76,41 @@ def _fmt(names: list[str], limit: int = 5) -> str:
     return ", ".join(names[:limit]) + more
 
 
+def _size_by_file(sources: dict[str, list], files: list[Path], params: dict) -> dict[str, list]:
+    """Parts given as (name, None, None) are stacked in order with as many rows as the
+    checkpoint tensor has: a concatenation whose split points the checkpoint decides (OLMo-
+    Hybrid's q/k/v convs, which HF's save_pretrained re-splits into equal thirds). Their
+    shapes come from the safetensors headers; the rows must add up to the parameter's."""
+    flexible = {p: parts for p, parts in sources.items() if any(off is None for _, off, _ in parts)}
+    if not flexible:
+        return sources
+    wanted = {name for parts in flexible.values() for name, _, _ in parts}
+    rows_of: dict[str, int] = {}
+    for file in files:
+        with _open(file) as f:
+            for name in wanted.intersection(f.keys()):
+                rows_of[name] = f.get_slice(name).get_shape()[0]
+    sources = dict(sources)
+    for param, parts in flexible.items():
+        if any(name not in rows_of for name, _, _ in parts):
+            sources[param] = [(name, 0, 0) for name, _, _ in parts]     # reported as missing below
+            continue
+        offsets = [0]
+        for name, _, _ in parts:
+            offsets.append(offsets[-1] + rows_of[name])
+        if offsets[-1] != params[param].shape[0]:
+            raise WeightError(f"{files[0].parent}: {', '.join(n for n, _, _ in parts)} have {offsets[-1]} rows "
+                              f"together, the spec expects {params[param].shape[0]}")
+        sources[param] = [(name, off, rows_of[name]) for (name, _, _), off in zip(parts, offsets)]
+    return sources
+
+
 @torch.no_grad()
 def load_safetensors(model: CausalLM, path: Path) -> None:
     params = dict(model.named_parameters())
     targets: dict[str, tuple[str, int, int]] = {}
-    for param, parts in model.weight_sources().items():
+    sources = _size_by_file(model.weight_sources(), _safetensors_files(path), params)
+    for param, parts in sources.items():
         for ckpt_name, offset, rows in parts:
             targets[ckpt_name] = (param, offset, rows)
     seen: set[str] = set()

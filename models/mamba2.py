@@ -21,8 +21,8 @@ HF's `BambaMixer`, `GraniteMoeHybridMambaLayer` and `Mamba2Mixer` 1:1, so a chec
 Paths:
 - `meta.all_decode`: one batched recurrent update over all requests (no Python loop, no
   host-side index building; CUDA-graph friendly: only `slots` / `has_initial_state` vary).
-- otherwise: the conv runs over every token at once (a gather of the K taps from
-  "stored tails ++ this step's tokens"); 1-token requests take the batched recurrent update,
+- otherwise: the conv runs over every token at once (models.causal_conv: a gather of the K
+  taps from "stored tails ++ this step's tokens"); 1-token requests take the batched recurrent update,
   and all longer requests go through one *varlen* chunked scan: each request is padded to a
   multiple of `chunk_size` so every chunk belongs to one request, the intra-chunk work is
   batched over all chunks, and the inter-chunk recurrence runs over the concatenated chunk
@@ -45,6 +45,7 @@ from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
 from attention.state import StateMetadata
+from models.causal_conv import ConvPlan, conv_step, conv_varlen
 from models.layers import GatedRMSNorm
 
 
@@ -68,8 +69,7 @@ class Mamba2Plan:
     num_tokens: int
     conv_kernel: int
     chunk_size: int
-    conv_idx: torch.Tensor        # [K, T]: row of cat(tails [R*(K-1)], tokens [T]) per tap
-    tail_idx: torch.Tensor        # [R*(K-1)]: rows that become each request's new conv tail
+    conv: ConvPlan                # the causal conv's gathers (models.causal_conv)
     dec_reqs: torch.Tensor | None  # [Rd] requests with exactly one token
     dec_toks: torch.Tensor | None  # [Rd] their token rows
     pf_reqs: torch.Tensor | None   # [Rp] requests with more than one token
@@ -86,23 +86,12 @@ class Mamba2Plan:
               device: torch.device | str | None = None) -> "Mamba2Plan":
         device = meta.slots.device if device is None else device
         qsl = meta.query_start_loc
-        R, T, km1 = len(qsl) - 1, qsl[-1], conv_kernel - 1
+        R, T = len(qsl) - 1, qsl[-1]
         starts = torch.tensor(qsl[:-1], dtype=torch.long)
         lens = torch.tensor(qsl[1:], dtype=torch.long) - starts
         req = torch.repeat_interleave(torch.arange(R), lens, output_size=T)
         tok = torch.arange(T)
         pos = tok - starts[req]
-
-        # Extended sequence of request r: its K-1 stored tail columns, then its tokens.
-        # Extended position e < K-1 lives in the tails block (row r*(K-1) + e), e >= K-1 is
-        # token starts[r] + e - (K-1) (row R*(K-1) + that).
-        def ext_row(r, e, s):
-            return torch.where(e < km1, r * km1 + e, R * km1 + s + e - km1)
-
-        conv_idx = torch.stack([ext_row(req, pos + k, starts[req]) for k in range(conv_kernel)])
-        jr = torch.arange(R).repeat_interleave(km1)
-        jj = torch.arange(km1).repeat(R)
-        tail_idx = ext_row(jr, lens[jr] + jj, starts[jr])
 
         to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
         is_dec = lens == 1
@@ -132,7 +121,7 @@ class Mamba2Plan:
             same = aug_req[:, None] == aug_req[None, :]
             pf_reqs, pf_toks, pf_dest = to(pf_r), to(pf_t), to(dest)
             chunk_aug, pseudo_aug, final_aug, aug_same = to(c_aug), to(p_aug), to(f_aug), to(same)
-        return Mamba2Plan(T, conv_kernel, chunk_size, to(conv_idx), to(tail_idx), dec_reqs,
+        return Mamba2Plan(T, conv_kernel, chunk_size, ConvPlan.build(meta, conv_kernel, device), dec_reqs,
                           dec_toks, pf_reqs, pf_toks, pf_dest, nc_total, chunk_aug, pseudo_aug,
                           final_aug, aug_same)
 
@@ -284,38 +273,16 @@ class Mamba2Mixer(nn.Module):
 
     # ------------------------------------------------------------------ conv
     def _conv_weights(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        w = self.conv1d.weight.float().squeeze(1)                       # [conv_dim, K]
-        b = None if self.conv1d.bias is None else self.conv1d.bias.float()
-        return w, b
+        return self.conv1d.weight.squeeze(1), self.conv1d.bias          # [conv_dim, K], [conv_dim]
 
     def _conv_decode(self, xbc, conv_state, slots, has_init):
         """One token per request: window = stored tail ++ token; writes the new tail."""
-        w, b = self._conv_weights()
-        tails = conv_state[slots]                                        # [R, conv_dim, K-1]
-        tails = torch.where(has_init[:, None, None], tails, torch.zeros_like(tails))
-        window = torch.cat([tails, xbc.to(conv_state.dtype)[:, :, None]], dim=-1)
-        conv_state[slots] = window[:, :, 1:]
-        out = (window.float() * w).sum(-1)
-        if b is not None:
-            out = out + b
-        return F.silu(out)
+        return F.silu(conv_step(xbc, conv_state, slots, has_init, *self._conv_weights()))
 
     def _conv_varlen(self, xbc, conv_state, meta, plan: Mamba2Plan):
         """Causal depthwise conv over every request's tokens, each prefixed by its stored tail
         (zeros when it has no initial state); writes the new tails."""
-        w, b = self._conv_weights()
-        R, km1 = meta.num_reqs, self.conv_kernel - 1
-        tails = conv_state[meta.slots]                                   # [R, conv_dim, K-1]
-        tails = torch.where(meta.has_initial_state[:, None, None], tails, torch.zeros_like(tails))
-        src = torch.cat([tails.transpose(1, 2).reshape(R * km1, self.conv_dim),
-                         xbc.to(conv_state.dtype)], dim=0)              # [R*(K-1) + T, conv_dim]
-        conv_state[meta.slots] = src[plan.tail_idx].view(R, km1, self.conv_dim).transpose(1, 2)
-        out = src[plan.conv_idx[0]].float() * w[:, 0]
-        for k in range(1, self.conv_kernel):
-            out = out + src[plan.conv_idx[k]].float() * w[:, k]
-        if b is not None:
-            out = out + b
-        return F.silu(out)
+        return F.silu(conv_varlen(xbc, conv_state, meta, plan.conv, *self._conv_weights()))
 
     # ------------------------------------------------------------------ ssm
     def _ssm_step(self, x, dt, A, B, C, ssm_state, slots, has_init):

@@ -47,6 +47,7 @@ class AttentionSpec:
     scale: float | None = None  # explicit softmax scale (Granite's attention_multiplier)
     sliding_window: int | None = None          # W for sliding_attention layers
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not head_dim**-0.5
+    qk_norm_all_heads: bool = False   # OLMo 2/3: the q/k norms span the whole projection, not each head
 
 
 @dataclass(slots=True)
@@ -97,6 +98,7 @@ class MoESpec:
 
 
 FFN_KINDS = ("mlp", "moe", "none")
+NORM_POSITIONS = ("pre", "post")
 NO_MIXER = "none"
 
 
@@ -113,6 +115,9 @@ class LayersSpec:
     pattern: list = field(default_factory=lambda: ["full_attention"])  # repeated to `num`
     kinds: list | None = None  # explicit per-layer list; overrides pattern
     ffn: list | None = None
+    # `pre` (norm each sub-block's input) or `post` (norm its output before the residual add,
+    # OLMo 2/3), repeated to `num`; unset: every layer pre.
+    norm_position: list | None = None
 
     def expand(self) -> list[str]:
         if self.kinds is not None:
@@ -193,6 +198,7 @@ class ModelSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     weight_names: dict = field(default_factory=dict)
     tokenizer: str | None = None   # directory; defaults to the checkpoint directory
+    tool_parser: str | None = None  # how the server finds tool calls in this model's text (e.g. hermes)
     source_file: str = ""          # set by the loader; never read from YAML
 
     @property
@@ -218,6 +224,11 @@ class ModelSpec:
         if self.layers.ffn is not None:
             return self.layers.ffn[layer % len(self.layers.ffn)]
         return "moe" if self.moe is not None and self.moe.is_moe(layer) else "mlp"
+
+    def post_norm(self, layer: int) -> bool:
+        """Whether layer `layer` norms its sub-blocks' outputs (`layers.norm_position` post)."""
+        pos = self.layers.norm_position
+        return pos is not None and pos[layer % len(pos)] == "post"
 
     def weight_name(self, key: str) -> str:
         return self.weight_names.get(key, DEFAULT_WEIGHT_NAMES[key])
@@ -323,15 +334,21 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail(f"{kinds_field}[{i}]", f"{entry!r}: parallel mixers must be of different families "
                                          f"(two would share the layer attribute {attrs[0]!r})")
         used.update(parts)
-    if lay.ffn is not None:
-        if not lay.ffn:
-            fail("layers.ffn", "must name at least one feed-forward kind")
-        for i, f in enumerate(lay.ffn):
-            if f not in FFN_KINDS:
-                fail(f"layers.ffn[{i}]", f"{f!r} is not one of {', '.join(FFN_KINDS)}")
-        if "moe" in lay.ffn and spec.moe is None:
-            fail("layers.ffn", "moe layers need a 'moe:' section")
+    for where, values, allowed in (("layers.ffn", lay.ffn, FFN_KINDS),
+                                   ("layers.norm_position", lay.norm_position, NORM_POSITIONS)):
+        if values is None:
+            continue
+        if not values:
+            fail(where, f"must name at least one of {', '.join(allowed)}")
+        for i, value in enumerate(values):
+            if value not in allowed:
+                fail(f"{where}[{i}]", f"{value!r} is not one of {', '.join(allowed)}")
+    if lay.ffn is not None and "moe" in lay.ffn and spec.moe is None:
+        fail("layers.ffn", "moe layers need a 'moe:' section")
     for i in range(lay.num):
+        if spec.post_norm(i) and (spec.norm.sandwich or not (spec.layer_mixers(i) and spec.ffn_kind(i) != "none")):
+            fail("layers.norm_position", f"post norms need a mixer and a feed-forward block and no sandwich norms "
+                                         f"(layer {i})")
         if not spec.layer_mixers(i) and spec.ffn_kind(i) == "none":
             fail(kinds_field, f"layer {i} has neither a token mixer nor a feed-forward block")
         if spec.norm.sandwich and not (spec.layer_mixers(i) and spec.ffn_kind(i) != "none"):
@@ -353,6 +370,8 @@ def _validate(spec: ModelSpec, fail) -> None:
         if kind.section_spec is not None and getattr(spec, kind.section) is None:
             fail(kind.section, f"layers of kind {kind.name} need a '{kind.section}:' section")
         kind.validate(spec, fail)
+    if a.qk_norm_all_heads and not a.qk_norm:
+        fail("attention.qk_norm_all_heads", "needs qk_norm: true")
     if a.query_pre_attn_scalar is not None and a.query_pre_attn_scalar <= 0:
         fail("attention.query_pre_attn_scalar", "must be > 0")
     if not 0 < spec.rope.partial_rotary_factor <= 1:
@@ -436,7 +455,7 @@ def load_spec(path: str | Path) -> ModelSpec:
 def spec_to_dict(spec: ModelSpec) -> dict:
     data = dataclasses.asdict(spec)
     data.pop("source_file")
-    for key in ("kinds", "ffn"):
+    for key in ("kinds", "ffn", "norm_position"):
         if data["layers"][key] is None:
             data["layers"].pop(key)
     return data

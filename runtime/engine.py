@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.limits import ParamError, check_text, is_int
+from runtime.structured_outputs import GrammarCache, StructuredOutputs
 from runtime.worker.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.parallel_sampling import fan_out
@@ -106,6 +108,8 @@ class Engine:
             phase("compile")
             log.info("compiled in %.1f s", self.startup_seconds["compile"])
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._structured: StructuredOutputs | None = None    # made on the first constrained request
+        self._structured_lock = threading.Lock()
         self._next_id = itertools.count()
         log.info("engine ready: %s, KV %d blocks x %d tokens (%d tokens)", spec.name,
                  kv_config.num_blocks - 1, config.block_size, (kv_config.num_blocks - 1) * config.block_size)
@@ -148,6 +152,10 @@ class Engine:
         params.validate()
         params.validate_for_model(self.spec.vocab_size)
         text, ids = self.tokenize(prompt)
+        if params.bad_words:
+            self._tokenize_bad_words(params)
+        if params.structured_outputs is not None:
+            self.grammars.compile(params.structured_outputs, "structured_outputs")
         if not ids:
             raise ParamError("prompt is empty", "prompt")
         vocab = self.spec.vocab_size
@@ -173,6 +181,31 @@ class Engine:
             check_text(salt, "cache_salt")
         return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text, cache_salt=salt)
 
+    def _tokenize_bad_words(self, params: SamplingParams) -> None:
+        """Each bad word as the tokenizer spells it alone and after a space (vLLM's rule)."""
+        if self.tokenizer is None:
+            raise ParamError("bad_words: this model has no tokenizer to spell them with", "bad_words")
+        seqs: list[list[int]] = []
+        for word in params.bad_words:
+            check_text(word, "bad_words")
+            for variant in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(variant, add_special_tokens=False)
+                if ids and ids not in seqs:
+                    seqs.append(ids)
+        params.bad_words_token_ids = seqs
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The compiled-grammar cache for this model's tokenizer (thread-safe: the server
+        compiles on worker threads before a request reaches the engine)."""
+        with self._structured_lock:
+            if self._structured is None:
+                if self.tokenizer is None:
+                    raise ParamError("structured_outputs: this model has no tokenizer to constrain", "structured_outputs")
+                self._structured = StructuredOutputs(GrammarCache(self.tokenizer, self.spec.vocab_size,
+                                                                  list(self.eos_token_ids)))
+        return self._structured.grammars
+
     def add_request(self, request: Request, stream_text: bool = False) -> list[str]:
         """Schedule a request; with n > 1 it becomes n samples (`parallel_sampling.fan_out`:
         ids `<id>`, `<id>#1`, ...) that fork from sample 0. Returns the sample ids.
@@ -194,6 +227,10 @@ class Engine:
             self.scheduler.finish_requests([s.request_id for s in samples], RequestStatus.FINISHED_ABORTED)
             raise
         self._detok.update(detoks)
+        if request.sampling_params.structured_outputs is not None:
+            self.grammars      # noqa: B018 - makes the matcher registry
+            for s in samples:
+                self._structured.add(s.request_id, s.sampling_params.structured_outputs)
         return [s.request_id for s in samples]
 
     # ------------------------------------------------------------- drivers above the engine
@@ -201,6 +238,8 @@ class Engine:
         """Start `child_id` as a copy of a running request, sharing its computed blocks
         (copy-on-write); between steps only. Beam search forks its beams with it."""
         self.scheduler.fork(parent_id, self.scheduler.requests[parent_id].clone(child_id))
+        if self._structured is not None:
+            self._structured.fork(parent_id, child_id)
 
     def append_tokens(self, request_id: str, tokens: list[int]) -> None:
         """Feed a request its next tokens from outside (see Request.external_tokens)."""
@@ -215,6 +254,8 @@ class Engine:
         self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
             self._detok.pop(rid, None)
+            if self._structured is not None:
+                self._structured.remove(rid)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -234,6 +275,8 @@ class Engine:
                 raise RuntimeError("scheduler admitted nothing with an idle engine and "
                                    f"{len(self.scheduler.waiting)} waiting requests")
             return []
+        if self._structured is not None and self._structured.matchers:
+            so.grammar_bitmask = self._structured.bitmask(self._sampling_now(so))
         result = self.runner.execute(so)
         updated = self.scheduler.update(so, result.sampled, result.logprobs)
         outputs = []
@@ -246,9 +289,22 @@ class Engine:
                 outputs.append(out)
         return outputs
 
+    def _sampling_now(self, so) -> list[str]:
+        """The scheduled requests whose step reaches the end of their tokens (they sample)."""
+        reqs = self.scheduler.requests
+        return [rid for rid, n in so.num_scheduled_tokens.items()
+                if rid in reqs and reqs[rid].num_computed_tokens + n >= reqs[rid].num_tokens]
+
     def _process(self, req: Request) -> RequestOutput | None:
-        """One request's share of a step after sampling: logprobs, detokenization, stop
-        strings, its output. Nothing here touches another request."""
+        """One request's share of a step after sampling: its grammar, logprobs,
+        detokenization, stop strings, its output. Nothing here touches another request."""
+        if self._structured is not None and req.request_id in self._structured.matchers:
+            done = self._structured.accept(req.request_id, req.output_token_ids[-1])
+            if done and not req.status.finished:     # the grammar is complete: so is the request
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = req.output_token_ids[-1]
+            if req.status.finished:
+                self._structured.remove(req.request_id)
         if req.logprobs is not None:
             self._convert_logprobs(req)
         detok = self._detok.get(req.request_id)
@@ -269,6 +325,8 @@ class Engine:
         log.exception("request %s failed; aborting it alone", req.request_id)
         self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
         self._detok.pop(req.request_id, None)
+        if self._structured is not None:
+            self._structured.remove(req.request_id)
         completion = CompletionOutput(req.sample_index, "", list(req.output_token_ids), None, None, "error", None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
                              error=f"{type(error).__name__}: {error}")
@@ -301,7 +359,8 @@ class Engine:
                                       req.status.finish_reason, req.stop_reason)
         if finished:
             self._detok.pop(req.request_id, None)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
+                             num_cached_tokens=req.num_cached_tokens)
 
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import uuid
 
 from fastapi.responses import JSONResponse
 
@@ -80,6 +81,29 @@ class ApiKeyAuth:
                 return await _reply(send, 401, error_body("invalid or missing API key", "authentication_error",
                                                           code="invalid_api_key"))
         await self.app(scope, receive, send)
+
+
+class RequestIdHeader:
+    """ASGI middleware: every response carries `X-Request-Id`, the client's own (up to 128
+    printable ASCII characters) or a fresh one, so logs on both sides can be joined (vLLM's
+    `--enable-request-id-headers`)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or []).get(b"x-request-id", b"")
+        ok = 0 < len(given) <= 128 and all(0x21 <= c <= 0x7e for c in given)
+        rid = given if ok else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 class SafeJSONResponse(JSONResponse):

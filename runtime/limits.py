@@ -13,6 +13,9 @@ MAX_LOGPROBS = 20           # top logprobs per token (OpenAI's cap)
 MAX_TEMPERATURE = 100.0
 MAX_STOP_STRINGS = 64       # each is searched for after every token of the request
 MAX_STOP_TOKEN_IDS = 1024   # banned as a whole row's list until min_tokens
+MAX_LOGIT_BIAS = 300        # entries of logit_bias (OpenAI's cap)
+MAX_ALLOWED_TOKENS = 1 << 20  # allowed_token_ids entries (a whole vocabulary fits)
+MAX_REPETITION_PENALTY = 100.0
 
 
 class ParamError(ValueError):

@@ -3,8 +3,8 @@
 The schemas check types only; every bound on a value lives in SamplingParams.validate and
 Engine.make_request (runtime/limits.py), which `LLM` uses too. Nothing a client sends is
 silently dropped: an unknown field is a 400 (as OpenAI answers), and a known parameter the
-engine cannot honour yet is a 400 naming it unless it holds its no-op value (a penalty of
-0, an empty logit_bias, `response_format: {"type": "text"}`).
+engine cannot honour yet is a 400 naming it unless it holds its no-op value (e.g.
+`response_format: {"type": "text"}`).
 """
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 
 from runtime.limits import ParamError, check_text
 from runtime.sampling_params import SamplingParams
+from runtime.structured_outputs import StructuredOutputsParams
 
 
 def _unset(v) -> bool:
@@ -32,21 +33,16 @@ def _text_format(v) -> bool:
 # Parameters of OpenAI's and vLLM's APIs that this engine does not honour yet, each with the
 # test for its no-op value. Set to anything else they are refused, never ignored.
 _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": _is(0, 0.0), "frequency_penalty": _is(0, 0.0), "repetition_penalty": _is(1, 1.0),
-    "logit_bias": _unset, "response_format": _text_format, "echo": _unset,
-    "bad_words": _unset, "allowed_token_ids": _unset, "prompt_logprobs": _unset,
+    "prompt_logprobs": _unset,
     "use_beam_search": _unset, "length_penalty": _is(1, 1.0), "truncate_prompt_tokens": _unset,
-    "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
-    "guided_grammar": _unset, "guided_decoding_backend": _unset, "logits_processors": _unset,
+    "guided_decoding_backend": _unset, "logits_processors": _unset,
     "return_tokens_as_token_ids": _unset, "priority": _is(0), "spaces_between_special_tokens": _is(True),
 }
 _NOT_YET_COMPLETION = {**_NOT_YET_COMMON, "suffix": _unset}
 _NOT_YET_CHAT = {
-    **_NOT_YET_COMMON, "tools": _unset, "functions": _unset, "tool_choice": _is("none", "auto"),
-    "function_call": _is("none", "auto"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
+    **_NOT_YET_COMMON, "echo": _unset, "functions": _unset, "function_call": _is("none", "auto"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
     "prediction": _unset, "web_search_options": _unset, "reasoning_effort": _unset, "verbosity": _unset,
-    "store": _unset, "service_tier": _is("auto", "default"), "add_generation_prompt": _is(True),
-    "continue_final_message": _unset, "chat_template": _unset, "chat_template_kwargs": _unset,
+    "store": _unset, "service_tier": _is("auto", "default"),
 }
 
 
@@ -81,6 +77,21 @@ class _Common(_Strict):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None   # extension
     ignore_eos: bool = False            # extension
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None   # extension
+    logit_bias: dict[str, float] | None = None   # token id (as a JSON key) -> bias
+    allowed_token_ids: list[int] | None = None   # extension
+    return_token_ids: bool = False      # extension (vLLM): prompt_token_ids and token_ids in the response
+    bad_words: list[str] | None = None  # extension
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
+    # guided_* spellings; at most one of them (runtime/structured_outputs.py).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     include_stop_str_in_output: bool = False  # extension
     skip_special_tokens: bool = True    # extension
     stream: bool = False
@@ -107,7 +118,74 @@ class _Common(_Strict):
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens,
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or [],
+            structured_outputs=self._structured())
+
+    @property
+    def structured_field(self) -> str:
+        """The field that carries the request's structured-output constraint (for errors)."""
+        for name in ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            if getattr(self, name) not in (None, {}, {"type": "text"}):
+                return name
+        return "structured_outputs"
+
+    def _structured(self) -> StructuredOutputsParams | None:
+        """The one constraint the request names, as StructuredOutputsParams (validated)."""
+        given = {name: v for name, v in (("response_format", self._response_format()),
+                                         ("structured_outputs", self._structured_dict()),
+                                         ("guided_json", self.guided_json and StructuredOutputsParams(json=self.guided_json)),
+                                         ("guided_regex", self.guided_regex and StructuredOutputsParams(regex=self.guided_regex)),
+                                         ("guided_choice", self.guided_choice and StructuredOutputsParams(choice=self.guided_choice)),
+                                         ("guided_grammar", self.guided_grammar and StructuredOutputsParams(grammar=self.guided_grammar)))
+                 if v}
+        if len(given) > 1:
+            raise ParamError(f"{', '.join(given)}: give at most one structured-output constraint", next(iter(given)))
+        for name, params in given.items():
+            params.validate(name)
+            return params
+        return None
+
+    def _response_format(self) -> StructuredOutputsParams | None:
+        rf = self.response_format
+        if rf is None or rf == {"type": "text"}:
+            return None
+        kind = rf.get("type")
+        if kind == "json_object" and set(rf) == {"type"}:
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema" and set(rf) == {"type", "json_schema"} and isinstance(rf["json_schema"], dict):
+            js = rf["json_schema"]
+            extra = set(js) - {"name", "schema", "strict", "description"}
+            if extra or not isinstance(js.get("schema", {}), dict):
+                raise ParamError(f"response_format.json_schema: unknown or bad fields {sorted(extra) or ['schema']}",
+                                 "response_format")
+            return StructuredOutputsParams(json=js.get("schema", {}))
+        raise ParamError("response_format: must be {type: text}, {type: json_object} or "
+                         "{type: json_schema, json_schema: {name, schema, strict}}", "response_format")
+
+    def _structured_dict(self) -> StructuredOutputsParams | None:
+        so = self.structured_outputs
+        if not so:
+            return None
+        known = {"json", "json_object", "regex", "choice", "grammar"}
+        if set(so) - known:
+            raise ParamError(f"structured_outputs: unknown fields {sorted(set(so) - known)} (known: "
+                             f"{', '.join(sorted(known))})", "structured_outputs")
+        return StructuredOutputsParams(**so)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """JSON object keys are strings: they must spell token ids."""
+        if not self.logit_bias:
+            return None
+        out = {}
+        for key, bias in self.logit_bias.items():
+            if not key.isascii() or not key.isdigit() or len(key) > 19:
+                raise ParamError(f"logit_bias: key {key[:32]!r} is not a token id", "logit_bias")
+            out[int(key)] = bias
+        return out
 
 
 class CompletionRequest(_Common):
@@ -117,9 +195,13 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     best_of: int | None = None
     add_special_tokens: bool = True     # extension
+    echo: bool = False                  # the prompt's text before each choice's text
 
     def check(self) -> None:
         super().check()
+        if self.echo and self.logprobs is not None:
+            raise ParamError("echo: with logprobs it needs prompt logprobs, which this server does not compute "
+                             "yet; leave one of them unset", "echo")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of: only best_of == n is supported", "best_of")
 
@@ -189,10 +271,18 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_special_tokens: bool = False    # extension: the chat template holds the special tokens
-    # Meaningless without tools (which are refused), so accepting them ignores nothing.
-    parallel_tool_calls: bool | None = None
+    tools: list[dict[str, Any]] | None = None       # runtime/tool_calls.py
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None         # `required` may return several calls either way
     metadata: dict[str, str] | None = None     # only stored with `store`, which is refused
     prompt_cache_key: str | None = None        # prefix caching is automatic here
+    # Chat-template controls (vLLM's): end on an open assistant turn (add_generation_prompt),
+    # or continue the last message as written (continue_final_message, e.g. a prefilled
+    # answer); chat_template replaces the model's, chat_template_kwargs reach the template.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         super().check()
@@ -200,6 +290,14 @@ class ChatCompletionRequest(_Common):
             raise ParamError("messages: at least one message is required", "messages")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs: requires logprobs to be true", "top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ParamError("continue_final_message: cannot be combined with add_generation_prompt "
+                             "(set add_generation_prompt to false)", "continue_final_message")
+        reserved = {"conversation", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+                    "tools", "documents", "return_dict", "messages"}
+        for key in self.chat_template_kwargs or {}:
+            if key in reserved:
+                raise ParamError(f"chat_template_kwargs: {key!r} is set by its own field", "chat_template_kwargs")
 
     def template_messages(self) -> list[dict]:
         return [m.for_template(f"messages[{i}]") for i, m in enumerate(self.messages)]

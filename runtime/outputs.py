@@ -30,3 +30,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None   # set when the request failed on its own (finish_reason "error")
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache served (usage.prompt_tokens_details)

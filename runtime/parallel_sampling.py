@@ -63,4 +63,4 @@ class ParentRequest:
         errors = [o.error for o in self.latest.values() if o.error is not None]
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids,
                              [self.latest[j].outputs[0] for j in sorted(self.latest)], self.finished,
-                             error=errors[0] if errors else None)
+                             error=errors[0] if errors else None, num_cached_tokens=first.num_cached_tokens)

@@ -36,7 +36,7 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling_params", "output_token_ids",
                  "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
                  "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob",
-                 "cache_salt", "block_hashes", "external_tokens", "sample_index")
+                 "cache_salt", "block_hashes", "external_tokens", "sample_index", "num_cached_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None,
@@ -65,6 +65,7 @@ class Request:
         # with its top logprobs and the driver feeds the next token (Scheduler.append_tokens).
         self.external_tokens = False
         self.sample_index = 0               # i of `<id>#i`, sample i of n (runtime/parallel_sampling.py)
+        self.num_cached_tokens = 0          # prompt tokens served by the prefix cache at first admission
 
     def clone(self, request_id: str, sampling_params: SamplingParams | None = None) -> Request:
         """A new request with this one's prompt, tokens so far and limits (a fork's child,

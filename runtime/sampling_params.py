@@ -6,8 +6,10 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from runtime.limits import (INT64_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                            MAX_TEMPERATURE, ParamError, is_int, sample_seed, short_repr)
+from runtime.limits import (INT64_MAX, MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N,
+                            MAX_REPETITION_PENALTY, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_TEMPERATURE,
+                            ParamError, is_int, sample_seed, short_repr)
+from runtime.structured_outputs import StructuredOutputsParams
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -35,6 +37,16 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # return this many top logprobs per token (+ the sampled one)
+    # Logit edits before sampling (runtime/worker/logits_processors.py has the exact rules).
+    presence_penalty: float = 0.0   # OpenAI: minus this once for each token already output
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
+    repetition_penalty: float = 1.0  # HF: tokens seen in prompt or output, logit / p (or * p if < 0)
+    logit_bias: dict[int, float] | None = None    # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None    # sample only among these
+    bad_words: list[str] = field(default_factory=list)   # never completed: each word's last token is
+                                                         # banned once the output ends with the rest
+    bad_words_token_ids: list[list[int]] | None = None   # their tokenizations (the engine fills this)
+    structured_outputs: StructuredOutputsParams | None = None   # JSON / regex / choice / grammar
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -44,6 +56,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.bad_words = list(self.bad_words or [])
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -82,16 +95,37 @@ class SamplingParams:
             bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                bad(name, "must be in [-2, 2]")
+        if not number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            bad("repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"must map at most {MAX_LOGIT_BIAS} token ids to biases")
+            for t, b in self.logit_bias.items():
+                if not (is_int(t) and 0 <= t <= INT64_MAX) or not number(b) or not -100 <= b <= 100:
+                    bad("logit_bias", "keys must be token ids and values numbers in [-100, 100]")
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not 0 < len(self.allowed_token_ids) <= MAX_ALLOWED_TOKENS
+                or not all(is_int(t) and 0 <= t <= INT64_MAX for t in self.allowed_token_ids)):
+            bad("allowed_token_ids", f"must be 1 to {MAX_ALLOWED_TOKENS} non-negative token ids")
+        if len(self.bad_words) > MAX_STOP_STRINGS or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            bad("bad_words", f"must be at most {MAX_STOP_STRINGS} non-blank strings")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", "must be a StructuredOutputsParams")
+            self.structured_outputs.validate("SamplingParams.structured_outputs")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", "must be a RequestOutputKind")
 
     def validate_for_model(self, vocab_size: int) -> None:
         """The bounds that depend on the model: token ids must be in its vocabulary."""
-        for t in self.stop_token_ids:
-            if t >= vocab_size:
-                raise ParamError(f"SamplingParams.stop_token_ids: token id {t} is not in the vocabulary "
-                                 f"(size {vocab_size})", "stop_token_ids",
-                                 f"token id {t} is not in the vocabulary (size {vocab_size})")
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+            for t in getattr(self, name) or ():
+                if t >= vocab_size:
+                    why = f"token id {t} is not in the vocabulary (size {vocab_size})"
+                    raise ParamError(f"SamplingParams.{name}: {why}", name, why)
 
     def sample_params(self, i: int) -> SamplingParams:
         """The params of sample i of n: one sample, seeded with sample_seed(seed, i)."""

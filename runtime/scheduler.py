@@ -48,6 +48,9 @@ class SchedulerOutput:
     # Tokens appended from outside (`Scheduler.append_tokens`) to requests already in the
     # runner's batch, in order; the runner appends them to its rows before this step's inputs.
     appended_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Structured outputs: (request ids, one bitmask row each) of the constrained requests
+    # that sample this step; the engine fills it (runtime/structured_outputs.py).
+    grammar_bitmask: tuple | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -232,6 +235,8 @@ class Scheduler:
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
                 hit = self.kv.reuse_prefix(req.request_id, req.block_hashes, req.num_tokens)
                 req.num_computed_tokens = hit
+                if not req.num_preemptions:     # what the client is told: the first admission's hit
+                    req.num_cached_tokens = hit
             num_new = self._chunk(req, budget)
             new_ids = self.kv.allocate_slots(req.request_id, req.num_computed_tokens + num_new,
                                              req.num_computed_tokens)

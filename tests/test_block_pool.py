@@ -283,9 +283,11 @@ def test_stats():
     kv = _manager(num_blocks=11, block_size=4, num_groups=2)  # 10 usable
     s = kv.stats()
     assert s == {"num_blocks": 10, "num_free_blocks": 10, "block_size": 4, "usage": 0.0,
-                 "groups": [{"group": 0, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0},
-                            {"group": 1, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0}],
-                 "prefix_caching": True, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
+                 "groups": [{"group": 0, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0,
+                             "page_use": 0.5},      # 1 kv head: half the 2-head group's page
+                            {"group": 1, "layers": 1, "kind": "FullAttentionSpec", "blocks_in_use": 0,
+                             "page_use": 1.0}],
+                 "padding_bytes_in_use": 0, "prefix_caching": True, "prefix_cache_queries": 0, "prefix_cache_hits": 0,
                  "prefix_cache_hit_rate": 0.0, "cached_blocks": 0, "evictions": 0,
                  "forks": 0, "fork_copied_blocks": 0}
     kv.allocate_slots("a", 5)    # 2 per group
@@ -294,6 +296,8 @@ def test_stats():
     assert s["num_free_blocks"] == 4
     assert s["usage"] == pytest.approx(0.6)
     assert [g["blocks_in_use"] for g in s["groups"]] == [3, 3]
+    # group 0's pages (1 kv head: 2 * 4 * 1 * 8 * 4 B) fill half of its 3 blocks' 512 B pool pages
+    assert s["padding_bytes_in_use"] == 3 * (512 - 2 * 4 * 1 * 8 * 4)
     kv.free("a")
     s = kv.stats()
     assert s["num_free_blocks"] == 8

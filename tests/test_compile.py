@@ -69,6 +69,9 @@ def _run(llm: LLM):
     pytest.param("zoo/mistral-sw-small.yaml", marks=pytest.mark.slow),      # sliding window
     pytest.param("zoo/qwen3-next-small.yaml", marks=pytest.mark.slow),      # gated DeltaNet + MoE
     pytest.param("zoo/granite-hybrid-small.yaml", marks=pytest.mark.slow),  # mamba2 + granite MoE
+    "zoo/lfm2-small.yaml",                                                  # short_conv + attention
+    pytest.param("zoo/smollm3-small.yaml", marks=pytest.mark.slow),         # rope + NoPE layers
+    pytest.param("zoo/olmo-hybrid-small.yaml", marks=pytest.mark.slow),     # separate-proj DeltaNet, post norms
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
     eager = LLM(spec, **ENGINE)

@@ -129,7 +129,7 @@ def test_error_responses(server, client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.completions.create(model="gpt-17", prompt="x")
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        client.completions.create(model="tiny-chat", prompt="x", presence_penalty=1.0)
+        client.completions.create(model="tiny-chat", prompt="x", presence_penalty=2.5)
     anon = openai.OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         anon.models.list()

@@ -107,19 +107,24 @@ def test_largest_seed_with_n_wraps_instead_of_overflowing(http):
 
 # Parameters that were accepted with a 200 and ignored.
 IGNORED = [
-    ("completions", {"prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
     ("completions", {"prompt": "hi", "suffix": " the end"}, "suffix"),
-    ("completions", {"prompt": "hi", "repetition_penalty": 1.3}, "repetition_penalty"),
-    ("completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 2}, "echo"),
+    ("chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
-    ("chat/completions", {"messages": CHAT, "logit_bias": {"5": -100}}, "logit_bias"),
-    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ("chat/completions", {"messages": CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
     ("chat/completions", {"messages": CHAT, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}, "response_format"),
-    ("chat/completions", {"messages": CHAT, "repetition_penalty": 1.3}, "repetition_penalty"),
-    ("chat/completions", {"messages": CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}, "frob": 1}}}, "response_format"),
+    ("completions", {"prompt": "hi", "structured_outputs": {"json": {"type": "object"}, "regex": "a"}},
+     "structured_outputs"),
+    ("completions", {"prompt": "hi", "guided_regex": "(", "guided_choice": ["a"]}, "guided_regex"),
+    ("completions", {"prompt": "hi", "guided_regex": "(unclosed"}, "guided_regex"),
+    ("completions", {"prompt": "hi", "guided_json": {"type": "object", "properties": {"a": {"type": "frob"}}}},
+     "guided_json"),
     ("chat/completions", {"messages": CHAT, "tool_choice": "required"}, "tool_choice"),
-    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "retrieval"}]}, "tools[0]"),
+    ("chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "tool_choice"),                                  # auto, and this server has no tool parser
     ("chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ("chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}, {"type": "text", "text": "hi"}]}]},
@@ -137,6 +142,28 @@ def test_unsupported_parameters_are_400s_naming_them(http, route, body, param):
     assert r.status_code == 400, r.text
     err = error_of(r)
     assert err["param"] == param and param.split(".")[0].split("[")[0] in err["message"], err
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_penalties_and_logit_bias_apply(http, route):
+    """Honoured now, not refused: a +100 bias on one token makes greedy output only it, and a
+    repetition penalty or an allowed list changes the text; bad values are 400s naming the field."""
+    chat = route.startswith("chat")
+    tok = _post(http, route, {"max_tokens": 6, "temperature": 0, "logit_bias": {"29": 100}, "ignore_eos": True,
+                              "logprobs": True if chat else 1, **({"messages": CHAT} if chat else {"prompt": "hi"})})
+    assert tok.status_code == 200, tok.text
+    lp = tok.json()["choices"][0]["logprobs"]
+    tokens = [e["token"] for e in lp["content"]] if chat else lp["tokens"]
+    assert len(tokens) == 6 and len(set(tokens)) == 1
+    plain = _text(_greedy(http, route))
+    assert _text(_greedy(http, route, repetition_penalty=0.05)) != plain     # < 1 favours seen tokens
+    assert _text(_greedy(http, route, allowed_token_ids=[29, 30])) != plain
+    for bad, param in (({"logit_bias": {"x1": 5}}, "logit_bias"), ({"logit_bias": {"5": 500}}, "logit_bias"),
+                       ({"presence_penalty": 3}, "presence_penalty"), ({"repetition_penalty": -1}, "repetition_penalty"),
+                       ({"allowed_token_ids": []}, "allowed_token_ids")):
+        body = {"max_tokens": 2, **bad, **({"messages": CHAT} if route.startswith("chat") else {"prompt": "hi"})}
+        r = _post(http, route, body)
+        assert r.status_code == 400 and error_of(r)["param"] == param, r.text
 
 
 @pytest.mark.parametrize("route, noop", [

@@ -11,7 +11,8 @@ from models import WeightError, load_spec
 from runtime import LLM, SamplingParams
 
 ZOO = Path(__file__).resolve().parent.parent / "zoo"
-SMALL = ["smollm2-tiny", "mistral-sw-small", "bamba-small", "granite-hybrid-small", "qwen3-next-small"]
+SMALL = ["smollm2-tiny", "mistral-sw-small", "bamba-small", "granite-hybrid-small", "qwen3-next-small",
+         "lfm2-small", "smollm3-small", "olmo-hybrid-small"]
 
 
 @pytest.mark.parametrize("path", sorted(ZOO.glob("*.yaml")), ids=lambda p: p.stem)

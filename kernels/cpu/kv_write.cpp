@@ -1,5 +1,7 @@
 // Store this step's keys and values in the paged cache: k[t], v[t] go to slot slots[t] of the
-// block-major cache [num_blocks, 2 (K|V), block_size, num_kv_heads, head_dim].
+// block-major cache [num_blocks, 2 (K|V), block_size, num_kv_heads, head_dim]. Each page must be
+// contiguous; pages may sit further apart than a page (a layer packed into a larger pool page,
+// cache/pool_layout.py): blocks are stepped by the cache's block stride.
 //
 // Why a kernel: the torch path is two `index_copy_` calls over the cache seen as rows, plus an
 // add for the V row indices and a copy of v (a strided view of the qkv projection) to make it
@@ -10,6 +12,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "paged_checks.h"
 
 #include <algorithm>
 #include <cstring>
@@ -26,9 +30,9 @@ void check_rows(const char* name, const at::Tensor& x, const at::Tensor& cache) 
 }
 
 void write_kv(const at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) {
-  TORCH_CHECK(kv_cache.device().is_cpu() && kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
-              "write_kv: the cache must be a contiguous CPU tensor [blocks, 2, block_size, kv_heads, head_dim], got ",
-              kv_cache.sizes());
+  TORCH_CHECK(kv_cache.device().is_cpu() && zooinfer_paged::pages_contiguous(kv_cache),
+              "write_kv: the cache must be a CPU tensor [blocks, 2, block_size, kv_heads, head_dim] with contiguous "
+              "pages, got sizes ", kv_cache.sizes(), " strides ", kv_cache.strides());
   check_rows("k", k, kv_cache);
   check_rows("v", v, kv_cache);
   const int64_t n = k.size(0);
@@ -42,6 +46,7 @@ void write_kv(const at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor&
                 capacity, ")");
   const int64_t elem = kv_cache.element_size();
   const int64_t row = kv_cache.size(3) * kv_cache.size(4) * elem;   // bytes of one token's K (or V)
+  const int64_t page = zooinfer_paged::page_stride(kv_cache) * elem;  // bytes from one block to the next
   char* cache = static_cast<char*>(kv_cache.data_ptr());
   const char* kp = static_cast<const char*>(k.data_ptr());
   const char* vp = static_cast<const char*>(v.data_ptr());
@@ -51,7 +56,7 @@ void write_kv(const at::Tensor& kv_cache, const at::Tensor& k, const at::Tensor&
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t block = sp[t] / block_size, offset = sp[t] % block_size;
-      char* dst = cache + ((2 * block) * block_size + offset) * row;
+      char* dst = cache + block * page + offset * row;
       std::memcpy(dst, kp + t * k_step, row);
       std::memcpy(dst + block_size * row, vp + t * v_step, row);
     }

@@ -1,11 +1,29 @@
-// Argument checks shared by the paged attention ops (paged_decode, paged_prefill): CPU float32
-// q / out [T, H, D] with a contiguous last dim, one layer's contiguous paged cache
-// [blocks, 2 (K|V), block_size, kv_heads, head_dim], an int32 block table. Errors name the op.
+// Argument checks shared by the paged attention ops (paged_decode, paged_prefill, write_kv): CPU
+// float32 q / out [T, H, D] with a contiguous last dim, one layer's paged cache
+// [blocks, 2 (K|V), block_size, kv_heads, head_dim] whose pages are each contiguous, an int32
+// block table. Errors name the op.
+//
+// Pages need not be adjacent: when the pool packs several layers' pages into one pool page
+// (cache/pool_layout.py), a layer's cache is a view whose block stride is the pool page, not its
+// own page. The kernels step from block to block by `kv_cache.stride(0)` (`page_stride`).
 #pragma once
 
 #include <ATen/ATen.h>
 
 namespace zooinfer_paged {
+
+// [blocks, 2, block_size, kv_heads, head_dim], every page (dims 1-4) contiguous, pages at least a
+// page apart (so they never overlap): the block stride is free.
+inline bool pages_contiguous(const at::Tensor& c) {
+  if (c.dim() != 5 || c.size(1) != 2) return false;
+  const int64_t d = c.size(4), hd = c.size(3) * d, bhd = c.size(2) * hd;
+  return (c.stride(4) == 1 || d == 1) && (c.stride(3) == d || c.size(3) == 1) &&
+         (c.stride(2) == hd || c.size(2) == 1) && c.stride(1) == bhd &&
+         (c.stride(0) >= 2 * bhd || c.size(0) == 1);
+}
+
+// Elements from one block's page to the next.
+inline int64_t page_stride(const at::Tensor& c) { return c.size(0) == 1 ? 2 * c.size(2) * c.size(3) * c.size(4) : c.stride(0); }
 
 inline void check_common(const char* op, const at::Tensor& q, const at::Tensor& kv_cache,
                          const at::Tensor& block_table, const at::Tensor& out) {
@@ -13,8 +31,9 @@ inline void check_common(const char* op, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(q.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat &&
                   out.scalar_type() == at::kFloat, op, ": float32 q, kv_cache and out");
   TORCH_CHECK(q.dim() == 3 && out.dim() == 3 && q.sizes() == out.sizes(), op, ": q and out [T, H, D]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(1) == 2 && kv_cache.is_contiguous(),
-              op, ": kv_cache must be a contiguous [blocks, 2, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(pages_contiguous(kv_cache),
+              op, ": kv_cache must be [blocks, 2, block_size, kv_heads, head_dim] with contiguous pages, got sizes ",
+              kv_cache.sizes(), " strides ", kv_cache.strides());
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, op, ": q and out need a contiguous last dim");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, op, ": int32 block_table");
 }

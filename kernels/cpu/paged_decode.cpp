@@ -148,6 +148,7 @@ inline void prefetch_rows(const float* base, int64_t stride, int64_t rows, int64
 
 struct Shape {
   int64_t heads, kv_heads, group, dim, block_size, num_blocks;
+  int64_t page_stride;                    // elements from one block's page to the next (>= a page)
   int64_t q_tok, q_head, o_tok, o_head;   // strides (elements) of q and out; last dim contiguous
   int64_t bt_row, bt_col;                 // strides of the block table
 };
@@ -161,7 +162,7 @@ void decode_one(const float* q, const float* cache, const int32_t* table, int64_
   const int64_t nq = (h1 - h0) * s.group, D = KD > 0 ? KD : s.dim, B = s.block_size, G = s.group;
   const int64_t Bp = (B + 7) / 8 * 8;                 // score rows padded to whole vectors
   const int64_t token_stride = s.kv_heads * D;        // one token's row: every kv head
-  const int64_t page_stride = 2 * B * token_stride;   // one block: K slab then V slab
+  const int64_t page_stride = s.page_stride;          // one block: K slab then V slab (then padding)
   float* qs = scratch;                 // [nq, D] scaled queries
   float* acc = qs + nq * D;            // [nq, D] running weighted value sums
   float* p = acc + nq * D;             // [nq, Bp] this page's scores, then weights
@@ -251,6 +252,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   s.block_size = kv_cache.size(2);
   s.kv_heads = kv_cache.size(3);
   s.num_blocks = kv_cache.size(0);
+  s.page_stride = zooinfer_paged::page_stride(kv_cache);
   TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0, "paged_decode: head shapes disagree");
   s.group = s.heads / s.kv_heads;
   s.q_tok = q.stride(0);

@@ -99,6 +99,7 @@ inline vf vexp(vf x) { return zooinfer_vec::exp<vf, vi>(x); }   // see vec_exp.h
 
 struct Shape {
   int64_t heads, kv_heads, group, dim, block_size, num_blocks;
+  int64_t page_stride;                    // elements from one block's page to the next (>= a page)
   int64_t q_tok, q_head, o_tok, o_head;   // strides (elements) of q and out; last dim contiguous
   int64_t bt_row, bt_col;                 // strides of the block table
   int64_t window;
@@ -192,7 +193,7 @@ void tile(const float* q, const float* cache, const int32_t* table, float* out, 
   }
   const int64_t kend = first + it.t1;   // keys at positions < kend (the last row's position + 1)
   const int64_t kstart = s.window > 0 ? std::max<int64_t>(first + it.t0 - s.window + 1, 0) : 0;
-  const int64_t token_stride = s.kv_heads * D, page_stride = 2 * B * token_stride;
+  const int64_t token_stride = s.kv_heads * D, page_stride = s.page_stride;   // pages may be padded apart
   const int32_t* bt = table + row * s.bt_row;
   const vi lane = iota();
   for (int64_t c0 = kstart; c0 < kend; c0 += KC) {
@@ -293,6 +294,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   s.block_size = kv_cache.size(2);
   s.kv_heads = kv_cache.size(3);
   s.num_blocks = kv_cache.size(0);
+  s.page_stride = zooinfer_paged::page_stride(kv_cache);
   TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0, "paged_prefill: head shapes disagree");
   TORCH_CHECK(s.dim <= 256, "paged_prefill: head_dim ", s.dim, " > 256 is not supported");
   s.group = s.heads / s.kv_heads;

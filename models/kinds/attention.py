@@ -1,8 +1,10 @@
 """full_attention and sliding_attention: the `Attention` mixer (models.layers) over the shared
 `attention:` section; they differ in their KV cache (all blocks kept vs. a window), their rope
-(`rope_local` for sliding layers) and the window they require."""
+(`rope_local` for sliding layers) and the window they require. Their `_nope` twins
+(SmolLM3's and Llama 4's NoPE layers) are the same layers with no positional rotation."""
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -10,7 +12,7 @@ from torch import nn
 
 from cache.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
 from models.kinds.base import Fail, LayerKind, Sources, linear_sources
-from models.layers import Attention
+from models.layers import Attention, RotaryEmbedding
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
@@ -29,6 +31,12 @@ def make_mixer(spec: ModelSpec, layer_id: int, rotary: nn.Module) -> nn.Module:
     return Attention(spec, layer_id, rotary)
 
 
+def make_nope_mixer(spec: ModelSpec, layer_id: int, rotary: nn.Module) -> nn.Module:
+    """NoPE: the rotary the layer is given is replaced by a no-op one (rope type none)."""
+    nope = RotaryEmbedding(spec.attention.head_dim, dataclasses.replace(spec.rope, type="none"), 0)
+    return Attention(spec, layer_id, nope)
+
+
 def forward(mixer: nn.Module, layer_id: int, positions: torch.Tensor, hidden: torch.Tensor,
             kv_cache: torch.Tensor) -> torch.Tensor:
     return mixer(positions, hidden, kv_cache)
@@ -36,7 +44,7 @@ def forward(mixer: nn.Module, layer_id: int, positions: torch.Tensor, hidden: to
 
 def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sources:
     """q, k, v stacked into qkv_proj (q doubled with Qwen3-Next's output gate), o_proj, and
-    the per-head q/k norms when the spec has them."""
+    the q/k norms (per head, or over all heads) when the spec has them."""
     a, name = spec.attention, spec.weight_name
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     qr = q * (2 if a.output_gate else 1)
@@ -44,8 +52,9 @@ def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sou
     src = linear_sources(ours + "qkv_proj", hf, qkv, a.bias)
     src.update(linear_sources(ours + "o_proj", hf, [(name("o"), 0, spec.hidden_size)], a.o_bias))
     if a.qk_norm:
-        src[ours + "q_norm.weight"] = [(hf + name("q_norm"), 0, a.head_dim)]
-        src[ours + "k_norm.weight"] = [(hf + name("k_norm"), 0, a.head_dim)]
+        q_dim, k_dim = (q, kv) if a.qk_norm_all_heads else (a.head_dim, a.head_dim)
+        src[ours + "q_norm.weight"] = [(hf + name("q_norm"), 0, q_dim)]
+        src[ours + "k_norm.weight"] = [(hf + name("k_norm"), 0, k_dim)]
     return src
 
 
@@ -69,9 +78,12 @@ def import_sliding(cfg: dict, spec: dict) -> None:
     spec["attention"]["sliding_window"] = cfg.get("sliding_window")
 
 
-_common = dict(section="attention", section_spec=None, attr="self_attn", make_mixer=make_mixer, forward=forward,
+_common = dict(section="attention", section_spec=None, attr="self_attn", forward=forward,
                weight_names=WEIGHT_NAMES, weight_sources=weight_sources)
+_full = dict(cache_spec=full_cache_spec, **_common)
+_sliding = dict(cache_spec=sliding_cache_spec, validate=validate_sliding, import_hf=import_sliding, **_common)
 
-FULL = LayerKind(name="full_attention", cache_spec=full_cache_spec, hf_layer_types=("attention",), **_common)
-SLIDING = LayerKind(name="sliding_attention", cache_spec=sliding_cache_spec, validate=validate_sliding,
-                    import_hf=import_sliding, local_rope=True, **_common)
+FULL = LayerKind(name="full_attention", make_mixer=make_mixer, hf_layer_types=("attention",), **_full)
+SLIDING = LayerKind(name="sliding_attention", make_mixer=make_mixer, local_rope=True, **_sliding)
+FULL_NOPE = LayerKind(name="full_attention_nope", make_mixer=make_nope_mixer, **_full)
+SLIDING_NOPE = LayerKind(name="sliding_attention_nope", make_mixer=make_nope_mixer, **_sliding)

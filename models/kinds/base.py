@@ -17,7 +17,8 @@ if TYPE_CHECKING:
     from models.spec import ModelSpec
 
 Fail = Callable[[str, str], NoReturn]     # fail(field path, message) raises the one-line SpecError
-Sources = dict[str, list[tuple[str, int, int]]]   # our param -> [(checkpoint tensor, row offset, rows)]
+Sources = dict[str, list[tuple[str, int, int]]]   # our param -> [(checkpoint tensor, row offset, rows)];
+#   (name, None, None) parts: stacked in order, rows as the checkpoint has them (models.loader)
 
 
 def _nothing(*args: Any) -> None:
@@ -75,18 +76,20 @@ def state_cache_spec(spec: ModelSpec, mixer: nn.Module, block_size: int, dtype: 
     return StateSpec(block_size, shapes=tuple(mixer.state_shapes().items()), dtype=torch.float32)
 
 
-def state_kind(name: str, section_spec: type, make_mixer, hf_prefix: str, **extra) -> LayerKind:
+def state_kind(name: str, section_spec: type, make_mixer, hf_prefix: str, weight_sources=None,
+               **extra) -> LayerKind:
     """A state layer kind (Mamba2-like): its own section `name:`, the mixer under `mixer`
     (with `forward_paged`, `update_states`, `state_shapes`), float32 state in pool pages, and
-    every mixer parameter loaded from `<layer prefix><prefix>.<param name>`, where the prefix
-    is the `weight_names` key `name` (default `hf_prefix`)."""
-    def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sources:
+    (unless the kind gives its own `weight_sources`) every mixer parameter loaded from
+    `<layer prefix><prefix>.<param name>`, where the prefix is the `weight_names` key `name`
+    (default `hf_prefix`)."""
+    def one_to_one(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sources:
         prefix = spec.weight_name(name)
         return {ours + pname: [(f"{hf}{prefix}.{pname}", 0, p.shape[0])] for pname, p in mixer.named_parameters()}
 
     return LayerKind(name=name, section=name, section_spec=section_spec, attr="mixer", make_mixer=make_mixer,
                      forward=state_forward, cache_spec=state_cache_spec, weight_names={name: hf_prefix},
-                     weight_sources=weight_sources, **extra)
+                     weight_sources=weight_sources or one_to_one, **extra)
 
 
 __all__ = ["Fail", "LayerKind", "Sources", "linear_sources", "state_cache_spec", "state_forward",

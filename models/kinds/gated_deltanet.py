@@ -1,5 +1,7 @@
-"""gated_deltanet: Qwen3-Next's linear attention, the gated delta rule (mixer:
-models.gated_deltanet.GatedDeltaNet), sized by a `gated_deltanet:` section."""
+"""gated_deltanet: linear attention by the gated delta rule, sized by a `gated_deltanet:`
+section. Two checkpoint layouts share the conv and delta-rule code (models.gated_deltanet):
+Qwen3-Next's fused, per-key-head interleaved projections (`GatedDeltaNet`), and OLMo-Hybrid's
+separate q/k/v/g/b/a projections with beta in [0, 2] (`SeparateGatedDeltaNet`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,11 +9,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from models.gated_deltanet import GatedDeltaNet
-from models.kinds.base import state_kind
+from models.gated_deltanet import GatedDeltaNet, SeparateGatedDeltaNet
+from models.kinds.base import Sources, state_kind
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
+
+LAYOUTS = {"qwen3_next": GatedDeltaNet, "separate": SeparateGatedDeltaNet}
 
 
 @dataclass(slots=True)
@@ -22,21 +26,43 @@ class GatedDeltaNetSpec:
     head_k_dim: int
     head_v_dim: int
     conv_kernel: int = 4
+    layout: str = "qwen3_next"        # projections: qwen3_next (fused, interleaved) | separate (OLMo-Hybrid)
+    allow_neg_eigval: bool = False    # beta = 2 * sigmoid(b) (OLMo-Hybrid's linear_allow_neg_eigval)
+    norm_eps: float | None = None     # the gated output norm's eps; None: norm.eps
 
 
 def make_mixer(spec: ModelSpec, layer_id: int, rotary: nn.Module) -> nn.Module:
     g = spec.gated_deltanet
-    return GatedDeltaNet(spec.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim,
-                         conv_kernel_size=g.conv_kernel, rms_norm_eps=spec.norm.eps)
+    return LAYOUTS[g.layout](spec.hidden_size, g.num_k_heads, g.num_v_heads, g.head_k_dim, g.head_v_dim,
+                             conv_kernel_size=g.conv_kernel, allow_neg_eigval=g.allow_neg_eigval,
+                             rms_norm_eps=spec.norm.eps if g.norm_eps is None else g.norm_eps)
+
+
+def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sources:
+    """The layout's checkpoint names (`checkpoint_sources`) under `<layer><gated_deltanet prefix>.`."""
+    prefix = f"{hf}{spec.weight_name('gated_deltanet')}."
+    return {ours + name: [(prefix + t, off, n) for t, off, n in parts]
+            for name, parts in mixer.checkpoint_sources().items()}
+
+
+def validate(spec: ModelSpec, fail) -> None:
+    g = spec.gated_deltanet
+    if g.layout not in LAYOUTS:
+        fail("gated_deltanet.layout", f"{g.layout!r} is not one of {', '.join(LAYOUTS)}")
+    if g.num_v_heads % g.num_k_heads:
+        fail("gated_deltanet.num_v_heads", f"{g.num_v_heads} is not a multiple of num_k_heads {g.num_k_heads}")
 
 
 def import_hf(cfg: dict, spec: dict) -> None:
-    """The section from Qwen3-Next `linear_*` config fields."""
+    """The section from the `linear_*` config fields (Qwen3-Next, OLMo-Hybrid); the layout and
+    the norm's eps are the family's (its adjust hook)."""
     spec["gated_deltanet"] = {"num_k_heads": cfg["linear_num_key_heads"],
                               "num_v_heads": cfg["linear_num_value_heads"],
                               "head_k_dim": cfg["linear_key_head_dim"], "head_v_dim": cfg["linear_value_head_dim"],
-                              "conv_kernel": cfg.get("linear_conv_kernel_dim", 4)}
+                              "conv_kernel": cfg.get("linear_conv_kernel_dim", 4),
+                              "allow_neg_eigval": bool(cfg.get("linear_allow_neg_eigval", False))}
 
 
 KIND = state_kind("gated_deltanet", GatedDeltaNetSpec, make_mixer, hf_prefix="linear_attn",
-                  hf_layer_types=("linear_attention",), import_hf=import_hf)
+                  hf_layer_types=("linear_attention",), import_hf=import_hf, validate=validate,
+                  weight_sources=weight_sources)

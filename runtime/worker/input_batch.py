@@ -33,6 +33,14 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)   # -1: none requested
         self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]  # banned before min_tokens
+        # Logit edits (runtime/worker/logits_processors.py): penalties per row, and per row
+        # the logit_bias as (ids, values) arrays and the allowed ids, or None.
+        self.presence_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_reqs, dtype=np.float32)
+        self.repetition_penalty = np.ones(max_num_reqs, dtype=np.float32)
+        self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_reqs
+        self.allowed_token_ids: list[np.ndarray | None] = [None] * max_num_reqs
+        self.bad_words: list[list[list[int]] | None] = [None] * max_num_reqs
         self.external = np.zeros(max_num_reqs, dtype=bool)   # samples reported, not appended
         # Keyed by request id, not row: a preempted request keeps its generator and resumes
         # the same random stream when it comes back.
@@ -63,6 +71,15 @@ class InputBatch:
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.external[row] = new.external_tokens
         self.stop_ids[row] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+        self.presence_penalty[row] = p.presence_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.logit_bias[row] = None if not p.logit_bias else (
+            np.fromiter(p.logit_bias.keys(), dtype=np.int64, count=len(p.logit_bias)),
+            np.fromiter(p.logit_bias.values(), dtype=np.float32, count=len(p.logit_bias)))
+        self.allowed_token_ids[row] = None if p.allowed_token_ids is None else \
+            np.asarray(sorted(set(p.allowed_token_ids)), dtype=np.int64)
+        self.bad_words[row] = p.bad_words_token_ids or None
         if p.seed is not None and new.req_id not in self.generators:
             self.generators[new.req_id] = torch.Generator().manual_seed(p.seed)
         return row
@@ -104,7 +121,11 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.temperature,
-                    self.top_k, self.top_p, self.min_p, self.min_tokens, self.logprobs, self.external):
+                    self.top_k, self.top_p, self.min_p, self.min_tokens, self.logprobs, self.external,
+                    self.presence_penalty, self.frequency_penalty, self.repetition_penalty):
             arr[dst] = arr[src]
         self.stop_ids[dst] = self.stop_ids[src]
+        self.logit_bias[dst] = self.logit_bias[src]
+        self.allowed_token_ids[dst] = self.allowed_token_ids[src]
+        self.bad_words[dst] = self.bad_words[src]
         self.block_table.move_row(src, dst)

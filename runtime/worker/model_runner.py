@@ -21,6 +21,7 @@ from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
+from runtime.worker.logits_processors import LogitsEdits
 from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
 from runtime.worker.step_plan import StepBatch, plan_layers
@@ -73,8 +74,12 @@ class ModelRunner:
         return torch.compile(types.MethodType(own, model), fullgraph=True, dynamic=False)
 
     def _allocate_kv_caches(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        """One zeroed byte buffer of `num_blocks` pages per shared slot; layer j of every
-        KV cache group views buffer j in its own layout, so any group can use any block."""
+        """One zeroed byte buffer of `num_blocks` pool pages per shared slot; every layer views
+        its slice of one buffer (`KVCacheConfig.layer_slots`: buffer, byte offset) in its
+        spec's `cache_shape`, so any group can use any block. A layer whose page is smaller
+        than the pool page (packed several to a pool page) gets a view whose block stride is
+        the pool page; a layer that fills the pool page gets a contiguous view, as before.
+        Also keeps, per group, the byte spans `_copy_pages` copies (`group_spans`)."""
         cfg = self.kv_config
         buffers = [torch.zeros(cfg.num_blocks, cfg.page_size_bytes, dtype=torch.uint8, device=self.device)
                    for _ in range(cfg.num_buffers)]
@@ -85,21 +90,24 @@ class ModelRunner:
         # in a KV-typed buffer are reinterpreted inside the state op (StatePlan.gather).
         dtypes: dict[int, torch.dtype] = {}
         for group in sorted(cfg.groups, key=lambda g: isinstance(g.spec, StateSpec)):   # KV groups first
-            for j in range(len(group.layer_ids)):
-                dtypes.setdefault(j, group.spec.dtype)
+            for buf, _ in cfg.group_slots(group):
+                dtypes.setdefault(buf, group.spec.dtype)
         typed = [buffers[j].view(dtypes.get(j, torch.uint8)) for j in range(cfg.num_buffers)]
         for group in cfg.groups:
             s = group.spec
-            if isinstance(s, StateSpec):        # states: pages as flat rows of the buffer's dtype
-                for j, layer in enumerate(group.layer_ids):
-                    caches[layer] = typed[j].view(cfg.num_blocks, -1)
-                continue
-            if s.page_size_bytes != cfg.page_size_bytes:
-                raise ValueError("KV cache groups with different page sizes are not supported yet "
-                                 f"({s.page_size_bytes} vs {cfg.page_size_bytes} bytes)")
-            shape = self.backend.kv_cache_shape(cfg.num_blocks, s.block_size, s.num_kv_heads, s.head_dim)
-            for j, layer in enumerate(group.layer_ids):
-                caches[layer] = typed[j].view(shape)
+            for layer, (buf, offset) in zip(group.layer_ids, cfg.group_slots(group)):
+                if isinstance(s, StateSpec):    # states: pages as flat rows of the buffer's dtype
+                    caches[layer] = typed[buf].view(cfg.num_blocks, -1)
+                    continue
+                if typed[buf].dtype != s.dtype:
+                    raise ValueError(f"KV cache groups of dtypes {typed[buf].dtype} and {s.dtype} share "
+                                     f"buffer {buf}; one KV dtype per model is supported")
+                item = s.dtype.itemsize
+                pages = typed[buf][:, offset // item: (offset + s.page_size_bytes) // item]
+                caches[layer] = pages.view(s.cache_shape(cfg.num_blocks))
+        self.kv_buffers = buffers           # the pool's bytes, buffer by buffer (tests, inspection)
+        self._copy_spans = [[buffers[buf][:, :used] for buf, used in cfg.group_spans(gid)]
+                            for gid in range(len(cfg.groups))]
         return caches
 
     @torch.inference_mode()
@@ -128,13 +136,14 @@ class ModelRunner:
         return time.perf_counter() - start
 
     def _copy_pages(self, copies: list) -> None:
-        """Copy whole pool pages in every layer of a group: state checkpoints, and a fork's
-        copy-on-write pages (a partial KV block, a state)."""
+        """Copy pages of a group, block `src[i]` to block `dst[i]`: state checkpoints, and a
+        fork's copy-on-write pages (a partial KV block, a state). Per buffer the group uses,
+        one copy of the leading bytes its layers fill (`KVCacheConfig.group_spans`): all of
+        its packed layers at once, never the bytes of another group."""
         for gid, src, dst in copies:
             src_t = torch.tensor(src, dtype=torch.long, device=self.device)
             dst_t = torch.tensor(dst, dtype=torch.long, device=self.device)
-            for layer in self.kv_config.groups[gid].layer_ids:
-                pages = self.kv_caches[layer]
+            for pages in self._copy_spans[gid]:
                 pages.index_copy_(0, dst_t, pages.index_select(0, src_t))
 
     def _null_dead_slots(self) -> None:
@@ -221,9 +230,10 @@ class ModelRunner:
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput({}, None)
-        meta = self._sampling_metadata(sample_rows)
+        meta = self._sampling_metadata(sample_rows, so.grammar_bitmask)
         hidden = hidden[logits_index]
-        if meta.all_greedy and meta.banned is None and meta.max_logprobs is None:
+        if meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
+                and meta.max_logprobs is None:
             # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
             out = SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
         else:
@@ -239,7 +249,7 @@ class ModelRunner:
         sampled = dict(zip(req_ids, tokens.tolist()))
         return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))
 
-    def _sampling_metadata(self, rows: np.ndarray) -> SamplingMetadata:
+    def _sampling_metadata(self, rows: np.ndarray, grammar_bitmask=None) -> SamplingMetadata:
         b = self.batch
         temperature = b.temperature[rows]
         all_greedy = not temperature.any()
@@ -254,7 +264,15 @@ class ModelRunner:
         k = int(b.logprobs[rows].max())
         meta = SamplingMetadata(temperature=torch.from_numpy(temperature).to(self.device), top_k=None, top_p=None,
                                 min_p=None, generators={}, all_greedy=all_greedy, banned=banned,
-                                max_logprobs=None if k < 0 else k)
+                                max_logprobs=None if k < 0 else k,
+                                edits=LogitsEdits.build(b, rows, self.model.spec.vocab_size, self.device))
+        if grammar_bitmask is not None:       # structured outputs: bitmask row i is request ids[i]'s
+            ids, mask = grammar_bitmask
+            pos = {b.req_ids[r]: i for i, r in enumerate(rows.tolist())}
+            keep = [(pos[rid], j) for j, rid in enumerate(ids) if rid in pos]
+            if keep:
+                where, which = zip(*keep)
+                meta.grammar = (torch.tensor(where, device=self.device), mask[list(which)].to(self.device))
         if not all_greedy:   # the filters only matter to sampled rows
             top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
             meta.top_k = torch.from_numpy(top_k).to(self.device) if top_k.any() else None

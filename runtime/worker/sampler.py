@@ -14,6 +14,8 @@ import torch
 
 from kernels import lm_head
 from kernels.lm_head import GreedyHead
+from runtime.structured_outputs import apply_bitmask
+from runtime.worker.logits_processors import LogitsEdits
 
 
 @dataclass(slots=True)
@@ -25,6 +27,8 @@ class SamplingMetadata:
     generators: dict[int, torch.Generator]   # row -> per-request generator (seeded rows)
     all_greedy: bool
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids) set to -inf
+    edits: LogitsEdits | None = None   # penalties, logit_bias, allowed_token_ids (None: no row has any)
+    grammar: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, int32 bitmask rows): structured outputs
     max_logprobs: int | None = None    # top-k logprobs to return (None: none requested)
 
 
@@ -110,11 +114,16 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         raw = logits.float()
-        logits = raw
+        logits = raw if meta.edits is None else meta.edits.apply(raw)   # raw stays intact for logprobs
         if meta.banned is not None:
-            logits = raw.clone()       # keep the model's logits intact for logprobs
+            if logits is raw:
+                logits = raw.clone()
             rows, tokens = meta.banned
             logits[rows, tokens] = float("-inf")
+        if meta.grammar is not None:
+            if logits is raw:
+                logits = raw.clone()
+            apply_bitmask(logits, *meta.grammar)
         if meta.all_greedy:
             sampled = self.greedy_head.argmax(logits)
         else:

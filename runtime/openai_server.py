@@ -1,0 +1,352 @@
+"""The OpenAI routes' handlers: one `OpenAIServer` per served model, and the API error type.
+
+`runtime.serve` wires these into the FastAPI app. A prompt's n samples are the engine's forks
+(`parallel_sampling`); request schemas are `openai_protocol`, the bounds on their values
+`limits` (shared with `LLM`). Completions and chat share one streaming loop (`_stream`).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from runtime import tool_calls
+from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from runtime.limits import ParamError, short_repr
+from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
+from runtime.outputs import RequestOutput
+from runtime.structured_outputs import StructuredOutputsParams
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
+
+
+def _bad_param(e: ValueError) -> APIError:
+    """A 400 for a refused value; SamplingParams' messages lose their class prefix here."""
+    message = str(e).removeprefix("SamplingParams.")
+    return APIError(400, message, getattr(e, "param", None), "invalid_request")
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServer:
+    """The HTTP routes; one instance per served model."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
+                 tool_parser: str | None = None):
+        self.engine = engine
+        self.tool_parser = tool_calls.get_parser(tool_parser or engine.engine.spec.tool_parser)
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.engine.tokenizer
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------- shared request handling
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model {short_repr(name)} does not exist.", "model", "model_not_found",
+                           "NotFoundError")
+
+    async def start(self, prompts: list, body, max_tokens: int | None, logprobs: int | None,
+                    constraint: StructuredOutputsParams | None = None):
+        """Validate every prompt and enqueue it with its n samples (the engine forks them:
+        runtime/parallel_sampling.py); all or nothing. Returns the call's id and, per prompt,
+        (prompt index, request, stream)."""
+        try:
+            body.check()
+            params = body.sampling_params(max_tokens, logprobs)
+            if constraint is not None:                  # tool_choice required / a named function
+                if params.structured_outputs is not None:
+                    raise ParamError(f"{body.structured_field}: cannot be combined with tool_choice "
+                                     f"{body.tool_choice!r}", body.structured_field)
+                params = dataclasses.replace(params, structured_outputs=constraint)
+            if params.structured_outputs is not None:   # compile on a worker thread, not the engine's
+                await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured_outputs,
+                                        body.structured_field)
+        except ParamError as e:
+            raise _bad_param(e) from None
+        base = uuid.uuid4().hex
+        started = []
+        try:
+            for p_idx, prompt in enumerate(prompts):
+                req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}", cap_max_tokens=False)
+                started.append((p_idx, req, stream))
+        except (ValueError, RequestFailedError) as e:
+            for _, _, stream in started:
+                await stream.aclose()
+            if isinstance(e, RequestFailedError):
+                raise
+            raise _bad_param(e) from None
+        return base, started
+
+    @staticmethod
+    async def merged(started, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Interleave the prompts' streams as outputs arrive, as (choice index, output):
+        choice p * n + i is sample i of prompt p. Closing it closes them all."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(p_idx, stream):
+            try:
+                async for out in stream:
+                    queue.put_nowait((p_idx * n + out.outputs[0].index, out))
+                queue.put_nowait((p_idx, None))
+            except Exception as e:  # noqa: BLE001 - forwarded to the consumer
+                queue.put_nowait((p_idx, e))
+
+        tasks = [asyncio.create_task(pump(p, s)) for p, _, s in started]
+        remaining = len(tasks)
+        try:
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            # Cancelling a pump cancels its stream mid-await, which aborts that request.
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def collect(self, raw: Request, started, n: int) -> dict[int, RequestOutput]:
+        """Run to completion for a non-streaming call; a client that disconnects aborts."""
+        final: dict[int, RequestOutput] = {}
+
+        async def run():
+            async for index, out in self.merged(started, n):
+                if out.finished:
+                    final[index] = out
+
+        task = asyncio.create_task(run())
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                break
+        await asyncio.gather(task, return_exceptions=True)
+        if task.cancelled():
+            raise asyncio.CancelledError()
+        if task.exception() is not None:
+            raise task.exception()
+        return final
+
+    @staticmethod
+    def usage(started, finals) -> dict:
+        """OpenAI counts a prompt once however many samples it has; `cached_tokens` is the
+        prompt tokens the prefix cache served (sample 0's, at its first admission)."""
+        finals = list(finals)
+        prompt = sum(len(req.prompt_token_ids) for _, req, _ in started)
+        done = sum(len(out.outputs[0].token_ids) for out in finals)
+        cached = sum(out.num_cached_tokens for out in finals if out.outputs[0].index == 0)
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    @staticmethod
+    def _held_back(body, text: str, finished: bool) -> int:
+        """How much streamed text may go out: with stop strings, hold back a tail that could
+        still grow into one (it is cut off if it does)."""
+        if finished or not body.stop:
+            return len(text)
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop
+        return max(0, len(text) - max(len(s) for s in stops) + 1)
+
+    # ------------------------------------------------------------- /v1/completions
+    @staticmethod
+    def _top(d: dict, k: int) -> list:
+        """The k best (token_id, Logprob) of one position, best first."""
+        return sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
+
+    def completion_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
+        lps = out.outputs[0].logprobs
+        if lps is None:
+            return None
+        ids = out.outputs[0].token_ids
+        return {"tokens": [d[t].decoded_token for t, d in zip(ids[start:], lps[start:])],
+                "token_logprobs": [d[t].logprob for t, d in zip(ids[start:], lps[start:])],
+                "top_logprobs": [{lp.decoded_token: lp.logprob for _, lp in self._top(d, k or 0)}
+                                 for d in lps[start:]],
+                "text_offset": []}
+
+    async def completions(self, body: CompletionRequest, raw: Request):
+        self.check_model(body.model)
+        try:
+            prompts = body.prompts()
+        except ParamError as e:
+            raise _bad_param(e) from None
+        base, started = await self.start(prompts, body, body.max_tokens, body.logprobs)
+        rid, created = f"cmpl-{base}", int(time.time())
+        head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
+        if body.stream:
+            return StreamingResponse(self._stream_completion(body, started, head), media_type="text/event-stream")
+        finals = await self.collect(raw, started, body.n)
+        echo = self._echo(body, started)
+        choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
+                    "logprobs": self.completion_logprobs(out, body.logprobs),
+                    "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out)}
+                   for i, out in sorted(finals.items())]
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
+
+    def _echo(self, body, started) -> dict[int, str]:
+        """Prompt index -> its text, when the client asked for `echo`."""
+        if not body.echo:
+            return {}
+        return {p: req.prompt if req.prompt is not None else self.tokenizer.decode(req.prompt_token_ids)
+                for p, req, _ in started}
+
+    @staticmethod
+    def _token_ids(body, out: RequestOutput, prompt: bool = True) -> dict:
+        """vLLM's `return_token_ids` fields of one choice."""
+        if not body.return_token_ids:
+            return {}
+        return {"token_ids": list(out.outputs[0].token_ids),
+                **({"prompt_token_ids": list(out.prompt_token_ids)} if prompt else {})}
+
+    def _stream_completion(self, body, started, head) -> AsyncIterator[str]:
+        echo, echoed = self._echo(body, started), set()
+
+        def choice(delta: str, i: int, out: RequestOutput) -> dict:
+            if i not in echoed:             # the prompt goes out ahead of a choice's first text
+                echoed.add(i)
+                delta = echo.get(i // body.n, "") + delta
+            return {"text": delta}
+
+        return self._stream(body, started, head,
+                            lambda out, start: self.completion_logprobs(out, body.logprobs, start), choice)
+
+    # ------------------------------------------------------------- /v1/chat/completions
+    def chat_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
+        lps = out.outputs[0].logprobs
+        if lps is None:
+            return None
+
+        def entry(lp) -> dict:
+            tok = lp.decoded_token or ""
+            return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode())}
+
+        return {"content": [{**entry(d[t]), "top_logprobs": [entry(lp) for _, lp in self._top(d, k or 0)]}
+                            for t, d in zip(out.outputs[0].token_ids[start:], lps[start:])]}
+
+    async def chat(self, body: ChatCompletionRequest, raw: Request):
+        self.check_model(body.model)
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        try:
+            body.check()
+            messages = tool_calls.template_messages(body.template_messages())
+            tools, mode = tool_calls.check_tools(body.tools, body.tool_choice)
+        except ParamError as e:
+            raise _bad_param(e) from None
+        if mode == "auto" and self.tool_parser is None:
+            raise APIError(400, "tool_choice: 'auto' needs a tool parser for this model (tool_parser in its zoo "
+                           "YAML, or --tool-call-parser); use 'required', 'none' or a named function", "tool_choice")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tools or None, tokenize=False, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message, chat_template=body.chat_template,
+                **(body.chat_template_kwargs or {}))
+        except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
+            raise APIError(400, f"chat template failed: {short_repr(str(e), 200)}", "messages") from None
+        # The template already holds the special tokens: by default encode without adding more.
+        prompt = {"prompt": text, "add_special_tokens": body.add_special_tokens}
+        constraint = tool_calls.constraint(tools, mode) if mode else None
+        base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k, constraint)
+        rid, created = f"chatcmpl-{base}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
+        finals = await self.collect(raw, started, body.n)
+        choices = [{"index": i, **self._message(out, mode, "message"),
+                    "logprobs": self.chat_logprobs(out, body.top_logprobs), **self._token_ids(body, out, prompt=False)}
+                   for i, out in sorted(finals.items())]
+        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
+
+    def _message(self, out: RequestOutput, mode: str | None, key: str) -> dict:
+        """A choice's message (or final delta) and finish reason: with tools, the calls the
+        text holds (parsed, or constrained by tool_choice) and the content around them."""
+        c = out.outputs[0]
+        content, calls = c.text, []
+        if mode == "auto":
+            content, calls = self.tool_parser.parse(c.text)
+        elif mode not in (None, "none"):
+            content, calls = None, tool_calls.calls_from_constrained(mode, c.text)
+            if not calls:           # cut off before the call was complete: what it wrote
+                content = c.text
+        msg = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            msg["tool_calls"] = [call.to_openai(j if key == "delta" else None) for j, call in enumerate(calls)]
+        # OpenAI: a forced (named) call finishes "stop"; calls the model chose, "tool_calls".
+        reason = "tool_calls" if calls and c.finish_reason == "stop" and not mode.startswith("named:") \
+            else c.finish_reason
+        return {key: msg, "finish_reason": reason}
+
+    async def _stream_chat(self, body, started, head, mode: str | None = None) -> AsyncIterator[str]:
+        for i in range(len(started) * body.n):
+            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}]})
+        tools = mode not in (None, "none")
+
+        def choice(delta: str, i: int, out: RequestOutput) -> dict | None:
+            if not tools:
+                return {"delta": {"content": delta} if delta else {}}
+            if not out.finished:    # calls can only be told apart from content once complete
+                return None
+            final = self._message(out, mode, "delta")
+            final["delta"].pop("role")
+            return final
+
+        async for event in self._stream(body, started, head,
+                                        lambda out, start: self.chat_logprobs(out, body.top_logprobs, start), choice):
+            yield event
+
+    async def _stream(self, body, started, head, logprobs, choice) -> AsyncIterator[str]:
+        """SSE events as tokens arrive: one chunk per new text (and logprobs) per choice,
+        the finish reason on its last chunk, optional usage, then [DONE]."""
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finals = []
+        try:
+            async for i, out in self.merged(started, body.n):
+                c = out.outputs[0]
+                upto = self._held_back(body, c.text, out.finished)
+                delta = c.text[sent_text.get(i, 0): upto]
+                lp = logprobs(out, sent_tokens.get(i, 0))
+                if delta or out.finished or (lp and next(iter(lp.values()))):
+                    part = choice(delta, i, out)
+                    if part is None:       # held back (tool calls are sent whole at the end)
+                        continue
+                    sent_text[i] = max(upto, sent_text.get(i, 0))
+                    sent_tokens[i] = len(c.token_ids)
+                    yield _sse({**head, "choices": [{"index": i, "logprobs": lp,
+                                                     "finish_reason": c.finish_reason if out.finished else None,
+                                                     **part}]})
+                if out.finished:
+                    finals.append(out)
+            if body.stream_options and body.stream_options.include_usage:
+                yield _sse({**head, "choices": [], "usage": self.usage(started, finals)})
+        except EngineDeadError as e:
+            yield _sse(error_body(str(e), "server_error", code="engine_dead"))
+        except RequestFailedError as e:
+            yield _sse(error_body(str(e), "server_error", code="request_failed"))
+        yield _sse("[DONE]")
+
+    # ------------------------------------------------------------- misc routes
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "zooinfer", "max_model_len": self.max_model_len}]}

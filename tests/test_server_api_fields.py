@@ -1,0 +1,121 @@
+"""vLLM's request and response extras on a real server: echo, return_token_ids, cached
+tokens in usage, the chat-template controls and X-Request-Id."""
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+import pytest
+
+from tests.serving import error_of, running_server, tiny_chat_spec
+
+CHAT = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from models.embedded import ensure_embedded
+    spec = tiny_chat_spec(tmp_path_factory.mktemp("fields"))
+    tok = AutoTokenizer.from_pretrained(ensure_embedded("smollm2-135m"))
+    with running_server(spec) as (proc, base), httpx.Client(base_url=base, timeout=60) as http:
+        yield http, tok
+    assert "Traceback" not in proc.stdout.read()
+
+
+def _post(http, route, body):
+    r = http.post(f"/v1/{route}", content=json.dumps(body), headers={"Content-Type": "application/json"})
+    return r
+
+
+def _events(r: httpx.Response) -> list[dict]:
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def test_echo_and_token_ids(served):
+    http, tok = served
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = _post(http, "completions", body).json()["choices"][0]
+    echoed = _post(http, "completions", {**body, "echo": True, "return_token_ids": True}).json()["choices"][0]
+    assert echoed["text"] == "Once upon a time" + plain["text"]
+    assert echoed["prompt_token_ids"] == tok.encode("Once upon a time") and len(echoed["token_ids"]) == 6
+    assert tok.decode(echoed["token_ids"]) == plain["text"] and "token_ids" not in plain
+    stream = _post(http, "completions", {**body, "echo": True, "stream": True})
+    assert "".join(e["choices"][0]["text"] for e in _events(stream) if e["choices"]) == echoed["text"]
+    ids = _post(http, "completions", {**body, "prompt": [5, 6, 7], "echo": True}).json()["choices"][0]
+    assert ids["text"].startswith(tok.decode([5, 6, 7]))
+    r = _post(http, "completions", {**body, "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and error_of(r)["param"] == "echo"
+
+
+def test_cached_tokens_in_usage(served):
+    http, _ = served
+    prompt = "The quick brown fox jumps over the lazy dog. " * 8           # > 4 blocks
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0}
+    first = _post(http, "completions", body).json()["usage"]
+    again = _post(http, "completions", body).json()["usage"]
+    assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (again["prompt_tokens"] - 1) // 16 * 16 and cached >= 64
+
+
+def test_chat_template_controls(served):
+    http, tok = served
+    prefill = CHAT + [{"role": "assistant", "content": "General"}]
+    body = {"messages": prefill, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True, "return_token_ids": True}
+    r = _post(http, "chat/completions", body)
+    assert r.status_code == 200, r.text
+    text = tok.apply_chat_template(prefill, tokenize=False, continue_final_message=True)
+    assert r.json()["prompt_token_ids"] == tok.encode(text, add_special_tokens=False)
+    assert len(r.json()["choices"][0]["token_ids"]) == 4
+    custom = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}{{ suffix }}"
+    r = _post(http, "chat/completions", {"messages": CHAT, "max_tokens": 2, "chat_template": custom,
+                                         "chat_template_kwargs": {"suffix": "!!"}, "return_token_ids": True})
+    assert r.json()["prompt_token_ids"] == tok.encode("<<Hello there>>!!", add_special_tokens=False)
+    for bad in ({"continue_final_message": True}, {"chat_template_kwargs": {"tokenize": True}}):
+        r = _post(http, "chat/completions", {"messages": CHAT, "max_tokens": 2, **bad})
+        assert r.status_code == 400 and error_of(r)["param"] in ("continue_final_message", "chat_template_kwargs")
+
+
+def test_request_id_header(served):
+    http, _ = served
+    r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={"X-Request-Id": "trace-42"})
+    assert r.headers["x-request-id"] == "trace-42"
+    fresh = http.get("/health").headers["x-request-id"]
+    assert len(fresh) == 32 and fresh != http.get("/health").headers["x-request-id"]
+
+
+def test_structured_outputs_over_http(served):
+    """The official client's response_format, and vLLM's structured_outputs / guided_* fields,
+    streaming included; compiled grammars are cached per schema."""
+    import openai
+    import jsonschema
+    http, _ = served
+    client = openai.OpenAI(base_url=str(http.base_url).rstrip("/") + "/v1", api_key="x", max_retries=0)
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "rank"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "place", "schema": schema, "strict": True}}
+    for seed in range(3):
+        r = client.chat.completions.create(model="tiny-chat", messages=CHAT, response_format=fmt, max_tokens=60,
+                                           seed=seed, temperature=1.0)
+        c = r.choices[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.message.content), schema)
+    stream = client.chat.completions.create(model="tiny-chat", messages=CHAT, response_format=fmt, max_tokens=60,
+                                            seed=0, temperature=1.0, stream=True)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+    whole = client.chat.completions.create(model="tiny-chat", messages=CHAT, response_format=fmt, max_tokens=60,
+                                           seed=0, temperature=1.0).choices[0].message.content
+    assert streamed == whole
+    pick = client.completions.create(model="tiny-chat", prompt="Pick:", max_tokens=8, temperature=1.0, seed=1,
+                                     extra_body={"structured_outputs": {"choice": ["left", "right"]}})
+    assert pick.choices[0].text in ("left", "right")
+    code = client.completions.create(model="tiny-chat", prompt="Code:", max_tokens=12, temperature=1.0, seed=2,
+                                     extra_body={"guided_regex": "[A-Z]{3}[0-9]{2}"})
+    assert re.fullmatch("[A-Z]{3}[0-9]{2}", code.choices[0].text)
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.completions.create(model="tiny-chat", prompt="x", max_tokens=2, extra_body={"guided_regex": "(["})
