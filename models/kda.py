@@ -21,13 +21,13 @@ vector): with D_ts = diag(exp(G_t - G_s)),
     S_C = exp(G_C) * S_0 + (K * exp(G_C - G))^T delta
 
 A scalar decay factors out of q_t^T D_ts k_s; a channel-wise one does not, and exp(G_t) and
-exp(-G_s) apart overflow. So the pairwise terms are built per 16-token sub-chunk (FLA's
-layout): pairs in earlier sub-chunks go through the sub-chunk's first position r as
-exp(G_t - G_r) * exp(G_r - G_s), both <= 1, in one matmul; pairs inside a sub-chunk use the
-exact per-channel decay. Everything else is `delta_rule_scan`, shared with Gated DeltaNet.
+exp(-G_s) apart overflow. So the pairwise terms are built by halving the chunk
+(`decayed_scores`): pairs across the halves go through a reference position r as
+exp(G_t - G_r) * exp(G_r - G_s), both <= 1, in one matmul; pairs within a half recurse down to
+single tokens. Everything else is `delta_rule_scan`, shared with Gated DeltaNet.
 
-Parameters are HF's `KimiDeltaAttention` checkpoint tensors, some stacked along dim 0 (see
-models/kinds/kda.py): qkv_proj = q|k|v_proj, conv1d = q|k|v_conv1d, gate_a_proj =
+Parameters are HF's `KimiDeltaAttention` checkpoint tensors, some stacked along dim 0
+(`checkpoint_sources`): qkv_proj = q|k|v_proj, conv1d = q|k|v_conv1d, gate_a_proj =
 f_a_proj|g_a_proj|b_proj; the others keep their names and shapes.
 """
 from __future__ import annotations
@@ -40,59 +40,58 @@ from models.activations import activation
 from models.gated_deltanet import CHUNK_SIZE, DeltaRuleMixer, delta_rule_scan, from_chunks, l2norm, to_chunks
 from models.layers import GatedRMSNorm
 
-SUB_CHUNK = 16
-# Largest intra-chunk temporary ([H, chunks, C, SUB_CHUNK, dk] elements): longer prefills build
-# their pairwise terms a group of chunks at a time.
+# Largest intra-chunk temporary ([H, chunks, C, dk] elements): longer prefills build their
+# pairwise terms a group of chunks at a time.
 INTRA_BUDGET = 1 << 24
 
 
-def decayed_scores(q: torch.Tensor, k: torch.Tensor, cum: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairwise channel-decayed products within chunks: q, k, cum [H, n, C, dk] (cum: the
-    cumulative log decay within each chunk, non-increasing along C; C a multiple of SUB_CHUNK).
-    Returns (qk, kk) [H, n, C, C]: x_t . (k_s * exp(cum_t - cum_s)) for s <= t, zero above."""
-    H, n, C, dk = q.shape
-    B = SUB_CHUNK
-    m = C // B
-    qb, kb, cb = (x.reshape(H, n, m, B, dk) for x in (q, k, cum))
-    ref = cb[:, :, :, :1]                                                  # [H, n, m, 1, dk]
-    # Earlier sub-chunks, through the reference r: exp(cum_t - r) * exp(r - cum_s), both <= 1
-    # (the clamp only touches pairs that the mask drops).
-    to_ref = (cb - ref).exp()
-    k_ref = k.unsqueeze(2) * (ref - cum.unsqueeze(2)).clamp(max=0).exp()   # [H, n, m, C, dk]
-    cols = torch.arange(C, device=q.device)
-    earlier = (cols < torch.arange(m, device=q.device)[:, None] * B)[:, None, :]   # [m, 1, C]
-    k_ref_t = k_ref.transpose(-1, -2)
-    qk = ((qb * to_ref) @ k_ref_t).masked_fill(~earlier, 0.0)             # [H, n, m, B, C]
-    kk = ((kb * to_ref) @ k_ref_t).masked_fill(~earlier, 0.0)
-    # Own sub-chunk: the exact decay per channel, masked (s > t) before the exp.
-    later = torch.ones(B, B, dtype=torch.bool, device=q.device).triu(1)
-    diff = (cb.unsqueeze(-2) - cb.unsqueeze(-3)).masked_fill(later[..., None], float("-inf"))
-    k_dec = kb.unsqueeze(-3) * diff.exp()                                 # [H, n, m, B(t), B(s), dk]
-    eye = torch.eye(m, dtype=q.dtype, device=q.device)
+def decayed_scores(xs: tuple[torch.Tensor, ...], k: torch.Tensor, cum: torch.Tensor) -> list[torch.Tensor]:
+    """Pairwise channel-decayed products within chunks, for each x in `xs` (q and k): x, k,
+    cum [N, C, dk], C a power of two (cum: the cumulative log decay within each chunk,
+    non-increasing along C). Returns [N, C, C] per x: x_t . (k_s * exp(cum_t - cum_s)) for
+    s <= t, zero above.
+
+    The chunk halves: pairs across the halves go through the second half's first position r
+    as exp(cum_t - r) * exp(r - cum_s), both <= 1, in one matmul; pairs within a half recurse,
+    down to single tokens (decay 1). Every factor is <= 1, so nothing overflows however fast a
+    channel forgets, and no [C, C, dk] tensor is built: each level costs one pass over q and k."""
+    N, C, dk = k.shape
+    if C == 1:
+        return [(x * k).sum(-1, keepdim=True) for x in xs]
+    h = C // 2
+    ref = cum[:, h:h + 1]                                                 # [N, 1, dk]
+    to_ref = (cum[:, h:] - ref).exp()                                     # second half -> r
+    k_ref = (k[:, :h] * (ref - cum[:, :h]).exp()).transpose(-1, -2)       # r -> first half, [N, dk, h]
+    halves = decayed_scores(tuple(x.reshape(2 * N, h, dk) for x in xs), k.reshape(2 * N, h, dk),
+                            cum.reshape(2 * N, h, dk))
     out = []
-    for acc, x in ((qk, qb), (kk, kb)):
-        own = (k_dec @ x.unsqueeze(-1)).squeeze(-1)                       # [H, n, m, B, B]
-        acc = acc + torch.einsum("hnits,ij->hnitjs", own, eye).reshape(H, n, m, B, C)
-        out.append(acc.reshape(H, n, C, C))
-    return out[0], out[1]
+    for x, own in zip(xs, halves):
+        own = own.view(N, 2, h, h)
+        across = (x[:, h:] * to_ref) @ k_ref                              # [N, h, h]
+        top = torch.cat((own[:, 0], torch.zeros_like(across)), dim=-1)
+        out.append(torch.cat((top, torch.cat((across, own[:, 1]), dim=-1)), dim=1))
+    return out
 
 
 def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
               state: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
-    """The KDA rule over one request's tokens, in chunks of `chunk_size` (a multiple of 16).
+    """The KDA rule over one request's tokens, in chunks of `chunk_size` (a power of two).
 
     q, k: [L, H, dk] float32, L2-normalised, q scaled by dk**-0.5; v: [L, H, dv]; g: [L, H, dk]
     log decay per key channel (<= 0); beta: [L, H]; state: [H, dk, dv] float32 initial state.
     Returns (out [L, H, dv], final state [H, dk, dv]), both float32."""
-    if chunk_size % SUB_CHUNK:
-        raise ValueError(f"chunk_size {chunk_size} is not a multiple of {SUB_CHUNK}")
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size {chunk_size} is not a power of two")
     L = q.shape[0]
-    chunk_size = min(chunk_size, -(-L // SUB_CHUNK) * SUB_CHUNK)
+    chunk_size = min(chunk_size, 1 << (L - 1).bit_length())
     q, k, v, g, beta = (to_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     H, n, C, dk = q.shape
     cum = g.cumsum(-2)                                                     # [H, n, C, dk]
-    step = max(1, INTRA_BUDGET // (H * C * SUB_CHUNK * dk))
-    parts = [decayed_scores(q[:, i:i + step], k[:, i:i + step], cum[:, i:i + step]) for i in range(0, n, step)]
+    step = max(1, INTRA_BUDGET // (H * C * dk))
+    parts = []
+    for i in range(0, n, step):
+        q_i, k_i, cum_i = (x[:, i:i + step].reshape(-1, C, dk) for x in (q, k, cum))
+        parts.append([s.view(H, -1, C, C) for s in decayed_scores((q_i, k_i), k_i, cum_i)])
     qk, kk = (torch.cat(p, dim=1) if len(p) > 1 else p[0] for p in zip(*parts))
     beta = beta.unsqueeze(-1)
     ut = kk * beta                          # row t times beta_t; its diagonal is taken as 1
@@ -133,16 +132,29 @@ class KimiDeltaAttention(DeltaRuleMixer):
         self.o_norm = GatedRMSNorm(head_dim, eps=rms_norm_eps, sigmoid=True)
         self.o_proj = nn.Linear(D, hidden_size, bias=False)
 
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        """Our parameter -> [(checkpoint name relative to the layer's KDA prefix, row offset,
+        rows)]: q|k|v_proj stacked into qkv_proj, q|k|v_conv1d into conv1d, f_a|g_a|b_proj
+        into gate_a_proj, the rest 1:1 (HF's KimiDeltaAttention checkpoint names)."""
+        D, dk, H = self.qkv_dim, self.head_dim, self.num_heads
+        src = {"qkv_proj.weight": [(f"{x}_proj.weight", i * D, D) for i, x in enumerate("qkv")],
+               "conv1d.weight": [(f"{x}_conv1d.weight", i * D, D) for i, x in enumerate("qkv")],
+               "gate_a_proj.weight": [("f_a_proj.weight", 0, dk), ("g_a_proj.weight", dk, dk),
+                                      ("b_proj.weight", 2 * dk, H)]}
+        for name in ("f_b_proj.weight", "g_b_proj.weight", "dt_bias", "A_log", "o_norm.weight", "o_proj.weight"):
+            src[name] = [(name, 0, self.get_parameter(name).shape[0])]
+        return src
+
     def _project(self, hidden: torch.Tensor):
-        """-> mixed_qkv [T, 3D] (q|k|v before the convs), gates [g [T, H, dk] log decay, beta
-        [T, H]] in float32, output gate [T, H, dk]. The gates are computed here, in the graph:
-        they do not depend on the convs."""
+        """-> mixed_qkv [T, 3D] (q|k|v before the convs), output gate [T, H, dk], and the state
+        op's gates g [T, H, dk] (log decay) and beta [T, H] in float32. The gates are computed
+        here, in the graph: they do not depend on the convs."""
         T, H, dk = hidden.shape[0], self.num_heads, self.head_dim
         f_a, g_a, b = self.gate_a_proj(hidden).split([dk, dk, H], dim=-1)
         f = (self.f_b_proj(f_a).float() + self.dt_bias.float()).view(T, H, dk)
         g = -self.A_log.float().view(H, 1).exp() * F.softplus(f)
         beta = b.float().sigmoid()
-        return self.qkv_proj(hidden), [g, beta], self.g_b_proj(g_a).view(T, H, dk)
+        return self.qkv_proj(hidden), self.g_b_proj(g_a).view(T, H, dk), g, beta
 
     def _qkv_gates(self, conv_out: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
         """Post-conv [N, 3D] -> fp32 q, k [N, H, dk] (l2-normed, q scaled), v [N, H, dk], g, beta."""

@@ -51,7 +51,7 @@ def random_inputs(L: int, seed: int, strong: bool = False):
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])
+@pytest.mark.parametrize("chunk_size", [1, 2, 16, 32, 64])
 @pytest.mark.parametrize("L", [2, 7, 16, 37, 150])
 @pytest.mark.parametrize("strong", [False, True])
 def test_chunked_rule_equals_recurrence(chunk_size, L, strong):
@@ -76,14 +76,14 @@ def test_chunk_groups_under_a_memory_budget(monkeypatch):
     """Long prefills build the intra-chunk terms a few chunks at a time: same result."""
     q, k, v, g, beta, state = random_inputs(200, seed=5, strong=True)
     whole = chunk_kda(q, k, v, g, beta, state)
-    monkeypatch.setattr(kda, "INTRA_BUDGET", HEADS * 64 * kda.SUB_CHUNK * DK)   # one chunk per group
+    monkeypatch.setattr(kda, "INTRA_BUDGET", HEADS * 64 * DK)   # one chunk per group
     grouped = chunk_kda(q, k, v, g, beta, state)
     torch.testing.assert_close(grouped[0], whole[0], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(grouped[1], whole[1], atol=1e-6, rtol=1e-6)
 
 
-def test_chunk_size_must_be_a_multiple_of_the_sub_chunk():
-    with pytest.raises(ValueError, match="chunk_size 24 is not a multiple of 16"):
+def test_chunk_size_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="chunk_size 24 is not a power of two"):
         chunk_kda(*random_inputs(30, seed=1), chunk_size=24)
 
 

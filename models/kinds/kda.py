@@ -3,14 +3,13 @@
 and the recurrent state live in pool pages (float32), like gated_deltanet."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torch import nn
 
 from models.kda import KimiDeltaAttention
-from models.kinds.base import Fail, Sources, linear_sources, state_kind
+from models.kinds.base import Fail, Sources, state_kind
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
@@ -31,17 +30,10 @@ def make_mixer(spec: ModelSpec, layer_id: int, rotary: nn.Module) -> nn.Module:
 
 
 def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sources:
-    """The checkpoint's KDA tensors under `<layer><kda prefix>.`: q|k|v_proj stacked into
-    qkv_proj, q|k|v_conv1d into conv1d, f_a|g_a|b_proj into gate_a_proj, the rest 1:1."""
-    p = f"{hf}{spec.weight_name('kda')}."
-    D, dk, H = mixer.qkv_dim, mixer.head_dim, mixer.num_heads
-    src = linear_sources(ours + "qkv_proj", p, [("q_proj", 0, D), ("k_proj", D, D), ("v_proj", 2 * D, D)], False)
-    src[ours + "conv1d.weight"] = [(f"{p}{x}_conv1d.weight", i * D, D) for i, x in enumerate("qkv")]
-    src.update(linear_sources(ours + "gate_a_proj", p, [("f_a_proj", 0, dk), ("g_a_proj", dk, dk),
-                                                        ("b_proj", 2 * dk, H)], False))
-    for name in ("f_b_proj.weight", "g_b_proj.weight", "dt_bias", "A_log", "o_norm.weight", "o_proj.weight"):
-        src[ours + name] = [(p + name, 0, mixer.get_parameter(name).shape[0])]
-    return src
+    """The mixer's checkpoint names (`checkpoint_sources`) under `<layer><kda prefix>.`."""
+    prefix = f"{hf}{spec.weight_name('kda')}."
+    return {ours + name: [(prefix + t, off, n) for t, off, n in parts]
+            for name, parts in mixer.checkpoint_sources().items()}
 
 
 def validate(spec: ModelSpec, fail: Fail) -> None:
@@ -60,5 +52,5 @@ def import_hf(cfg: dict, spec: dict) -> None:
                    "conv_kernel": lac.get("short_conv_kernel_size", cfg.get("linear_conv_kernel_dim", 4))}
 
 
-KIND = dataclasses.replace(state_kind("kda", KDASpec, make_mixer, hf_prefix="self_attn", validate=validate,
-                                      import_hf=import_hf), weight_sources=weight_sources)
+KIND = state_kind("kda", KDASpec, make_mixer, hf_prefix="self_attn", validate=validate, import_hf=import_hf,
+                  weight_sources=weight_sources)
