@@ -17,16 +17,22 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _relu2(x: torch.Tensor) -> torch.Tensor:
+    """Squared ReLU (Nemotron-H's ungated MLPs and experts)."""
+    return torch.square(F.relu(x))
+
+
 # Engine name -> function (silu: SwiGLU, gelu_tanh: GeGLU). Order is the order errors list them in.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu_tanh": _gelu_tanh,
     "gelu": F.gelu,
+    "relu2": _relu2,
 }
 
 # HF `hidden_act` / `hidden_activation` spelling -> engine name.
 HF_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
-            "gelu": "gelu"}
+            "gelu": "gelu", "relu2": "relu2"}
 
 
 def engine_name(name: str) -> str:

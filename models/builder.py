@@ -76,10 +76,12 @@ class CausalLM(nn.Module):
         """State-layer mixers by cache id: `zooinfer::state_update` finds its module here."""
         return {cid: mixer for cid, kind, mixer in self.mixers() if kind.attr == "mixer"}
 
-    def weight_sources(self) -> dict[str, list[tuple[str, int, int]]]:
-        """Our parameter name -> [(checkpoint tensor name, row offset, rows)].
+    def weight_sources(self) -> dict[str, list[tuple]]:
+        """Our parameter name -> [(checkpoint tensor name, row offset, rows[, transforms])].
 
-        Fused params list several tensors stacked along dim 0; plain params list one.
+        Fused params list several tensors stacked along dim 0; plain params list one. A
+        tensor stored in another layout names the loader's transforms to apply first
+        (models.loader.TRANSFORMS: GPT-OSS's transposed, interleaved experts).
         Names come from the spec's `weight_names`, so a family with other names is YAML.
         """
         s, m = self.spec, self.spec.mlp
@@ -127,8 +129,12 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torc
         if isinstance(module, RotaryEmbedding):
             cos, sin = module.tables()
             module.cos, module.sin = cos.to(device), sin.to(device)
+    # A module may name params that stay float32 (`fp32_params`: an MoE router's selection bias).
+    keep = {id(p) for m in model.modules() for n in getattr(m, "fp32_params", ())
+            if (p := getattr(m, n, None)) is not None}
     for p in model.parameters():
-        p.data = p.data.to(dtype)
+        if id(p) not in keep:
+            p.data = p.data.to(dtype)
     if spec.tie_word_embeddings:   # to_empty() gives each module its own storage: re-tie
         model.lm_head.weight = model.embed_tokens.weight
     return model.eval()

@@ -23,7 +23,9 @@ from models.spec import DTYPES, ModelSpec, SpecError, mixers_of, spec_from_dict,
 #   qk_norm, qkv_bias, offset_norm (norms multiply by 1 + w), gemma (Gemma norms, scales),
 #   layer_types ({HF layer type: our kind} spellings beyond the kinds' own), non_attn_layers
 #   (the kind of layers not in `attn_layer_indices`), weight_names (checkpoint names that
-#   differ from Llama's), adjust (fn(cfg, spec dict): a family's own config fields).
+#   differ from Llama's), moe (MoE fields config.json does not spell out: scoring, selection
+#   bias, expert activation, style; see `moe_from_hf`), adjust (fn(cfg, spec dict): a family's
+#   own config fields).
 # A model_type not listed here is read with no traits: a family built only of mechanisms
 # the zoo has loads as it is; a config field naming a mechanism we lack fails in one line.
 _FAMILIES: dict[str, dict] = {}
@@ -42,23 +44,12 @@ def _granite_hybrid(cfg: dict, spec: dict) -> None:
     spec["logits_scaling"] = float(cfg.get("logits_scaling", 1.0))
     if cfg.get("position_embedding_type") != "rope":
         spec["rope"]["type"] = "none"
-    spec["mlp"]["intermediate_size"] = cfg["shared_intermediate_size"]
-    spec["moe"] = {"style": "granite", "num_experts": cfg.get("num_local_experts") or 0,
-                   "num_experts_per_tok": cfg.get("num_experts_per_tok") or 0,
-                   "intermediate_size": cfg["intermediate_size"],
-                   "shared_expert_intermediate_size": cfg["shared_intermediate_size"]}
+    spec["mlp"]["intermediate_size"] = cfg["shared_intermediate_size"]   # the dense shared MLP
 
 
 def _qwen3_next(cfg: dict, spec: dict) -> None:
-    """Qwen3-Next: gated attention output, MoE MLPs with a gated shared expert."""
+    """Qwen3-Next: gated attention output (its MoE, with a gated shared expert, is read generally)."""
     spec["attention"]["output_gate"] = True
-    if cfg.get("num_experts", 0) > 0:
-        spec["moe"] = {"num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
-                       "intermediate_size": cfg["moe_intermediate_size"],
-                       "shared_expert_intermediate_size": cfg["shared_expert_intermediate_size"],
-                       "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
-                       "decoder_sparse_step": cfg.get("decoder_sparse_step", 1),
-                       "mlp_only_layers": list(cfg.get("mlp_only_layers") or [])}
 
 
 def _checkpoint_has(spec: dict, fragment: str) -> bool:
@@ -82,21 +73,19 @@ def _checkpoint_has(spec: dict, fragment: str) -> bool:
 
 
 def _kimi_linear(cfg: dict, spec: dict) -> None:
-    """Kimi-Linear: KDA layers and MLA layers without rope (KimiLinearAttention applies none),
-    per layer a dense MLP or MoE (`mlp_layer_types`, else `first_k_dense_replace`); the context
-    length is `model_max_length`. A config.json as Moonshot writes it (no `layer_types`) names
-    its layers in `linear_attn_config` (1-indexed `full_attn_layers`)."""
+    """Kimi-Linear: KDA layers and MLA layers without rope (KimiLinearAttention applies none);
+    the context length is `model_max_length`. A config.json as Moonshot writes it (no
+    `layer_types`) names its layers in `linear_attn_config` (1-indexed `full_attn_layers`).
+    Dense-or-MoE per layer (`mlp_layer_types` / `first_k_dense_replace`) is read generally."""
     n = cfg["num_hidden_layers"]
     lac = cfg.get("linear_attn_config") or {}
     if not cfg.get("layer_types") and "full_attn_layers" in lac:
         full = set(lac["full_attn_layers"])
         kinds = ["mla" if i + 1 in full else "kda" for i in range(n)]
-        spec["layers"] = {"num": n, "kinds": kinds}
-        for kind in {k for k in kinds if k in KINDS}:
+        spec["layers"] = {**spec["layers"], "kinds": kinds}
+        spec["layers"].pop("pattern", None)
+        for kind in sorted(set(kinds) & set(KINDS)):
             KINDS[kind].import_hf(cfg, spec)
-    mlp_types = cfg.get("mlp_layer_types") or ["dense" if i < cfg.get("first_k_dense_replace", 1) else "sparse"
-                                               for i in range(n)]
-    spec["layers"]["ffn"] = ["mlp" if t == "dense" else "moe" for t in mlp_types]
     # Moonshot's checkpoints keep dense MLPs under `mlp.`; transformers' save_pretrained writes
     # them under the MoE's `block_sparse_moe.` (it reverses its MoE rename on every layer).
     if _checkpoint_has(spec, ".block_sparse_moe.gate_proj."):
@@ -110,6 +99,9 @@ family("llama")
 family("mistral")
 family("qwen2", qkv_bias=True)
 family("qwen3", qk_norm=True)
+# Qwen3-MoE: Qwen3 attention, softmax top-k MoE (no shared expert) on the layers that
+# decoder_sparse_step / mlp_only_layers pick, dense MLPs elsewhere.
+family("qwen3_moe", qk_norm=True)
 # Gemma 3 text: (1 + w) norms, sandwich norms, sqrt(hidden) embedding scale, q/k norms,
 # 5 sliding : 1 full layers with a local rope.
 family("gemma3_text", qk_norm=True, gemma=True)
@@ -124,10 +116,14 @@ family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
 # Granite-4.0-H: mamba2 + attention layers, MoE or dense shared MLP, muP-style multipliers;
 # block_sparse_moe / shared_mlp sit on the layer.
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
-       adjust=_granite_hybrid)
+       moe={"style": "granite"}, adjust=_granite_hybrid)
 # Kimi-Linear: KDA layers, 1 in 4 an MLA layer (no rope), a dense first MLP then sigmoid-routed
-# MoE with a shared expert (block_sparse_moe).
-family("kimi_linear", layer_types={"linear_attention": "kda", "full_attention": "mla"}, adjust=_kimi_linear)
+# MoE (selection bias, fp32 router) with an ungated shared expert; experts' w1 / w3 / w2.
+family("kimi_linear", layer_types={"linear_attention": "kda", "full_attention": "mla"},
+       moe={"scoring": "sigmoid", "selection_bias": True, "router_fp32": True, "shared_expert_gate": False},
+       weight_names={"moe": "block_sparse_moe", "moe_shared": "shared_experts", "moe_expert_gate": "w1",
+                     "moe_expert_up": "w3", "moe_expert_down": "w2"},
+       adjust=_kimi_linear)
 
 
 def lfm2_intermediate_size(cfg: dict) -> int:
@@ -188,7 +184,64 @@ _UNSUPPORTED = {
     "final_logit_softcapping": (None,), "attn_logit_softcapping": (None,),
     "use_post_attention_norm": (None, False), "use_qk_layernorm": (None, False),
     "use_parallel_residual": (None, False), "alibi": (None, False),
+    # DeepSeek-V2's group_limited_greedy ranks groups by their best expert, not their best two
+    "topk_method": (None, "greedy", "noaux_tc"), "scoring_func": (None, "softmax", "sigmoid"),
 }
+
+
+def moe_from_hf(cfg: dict, fixed: dict | None = None) -> dict | None:
+    """The `moe:` section from an HF config's MoE fields, read under the spellings families use
+    (num_experts / num_local_experts / n_routed_experts, moe_intermediate_size, shared sizes,
+    n_group, routed_scaling_factor, ...). `fixed`: the family's traits config.json does not
+    spell out (scoring, selection bias, expert activation, style); they win."""
+    def first(*keys, default=None):
+        return next((cfg[k] for k in keys if cfg.get(k) is not None), default)
+
+    moe_inter = first("moe_intermediate_size", "intermediate_size")
+    shared = first("shared_expert_intermediate_size", "moe_shared_expert_intermediate_size",
+                   "shared_intermediate_size")
+    if shared is None:
+        shared = first("n_shared_experts", "num_shared_experts", default=0) * (moe_inter or 0)
+    moe = {"num_experts": first("num_experts", "num_local_experts", "n_routed_experts", default=0),
+           "num_experts_per_tok": first("num_experts_per_tok", "num_experts_per_token", default=0),
+           "intermediate_size": moe_inter,
+           "shared_expert_intermediate_size": shared,
+           "norm_topk_prob": bool(first("norm_topk_prob", "moe_renormalize", default=True)),
+           "decoder_sparse_step": cfg.get("decoder_sparse_step") or 1,
+           "mlp_only_layers": list(cfg.get("mlp_only_layers") or []),
+           "n_group": first("n_group", "num_expert_group", default=1),
+           "topk_group": cfg.get("topk_group") or 1,
+           "routed_scaling_factor": float(cfg.get("routed_scaling_factor") or 1.0),
+           "dense_bias": bool(cfg.get("mlp_bias", False))}   # Nemotron-H: its shared expert is an MLP too
+    if shared:   # Qwen's spelling comes with a sigmoid gate; n_shared_experts & co (DeepSeek, Nemotron-H) do not
+        moe["shared_expert_gate"] = cfg.get("shared_expert_intermediate_size") is not None
+    if cfg.get("scoring_func"):                     # DeepSeek-V2/V3 style configs spell it out
+        moe["scoring"] = cfg["scoring_func"]
+    if cfg.get("topk_method") == "noaux_tc":         # ... and the selection bias
+        moe["selection_bias"] = True
+    if cfg.get("moe_latent_size"):
+        moe["latent_size"] = cfg["moe_latent_size"]
+    for key in ("swiglu_alpha", "swiglu_limit"):
+        if cfg.get(key) is not None:
+            moe[key] = float(cfg[key])
+    moe.update(fixed or {})
+    # no routed experts: a dense MLP, except where the style makes every layer this block
+    # (granite: then just the shared MLP)
+    if not moe["num_experts"] and (moe.get("style") != "granite" or not moe["shared_expert_intermediate_size"]):
+        return None
+    return moe
+
+
+def ffn_from_hf(cfg: dict, num_layers: int) -> list[str] | None:
+    """`layers.ffn` where the config says which layers are dense: Kimi's mlp_layer_types
+    (dense / sparse), DeepSeek's first_k_dense_replace (with V2's moe_layer_freq). None: the
+    `moe:` section's decoder_sparse_step / mlp_only_layers decide (Qwen)."""
+    if cfg.get("mlp_layer_types"):
+        return ["mlp" if t == "dense" else "moe" for t in cfg["mlp_layer_types"]]
+    if cfg.get("first_k_dense_replace") is not None:
+        k, freq = cfg["first_k_dense_replace"], cfg.get("moe_layer_freq") or 1
+        return ["moe" if i >= k and i % freq == 0 else "mlp" for i in range(num_layers)]
+    return None
 
 
 def _rope(cfg: dict, params: dict | None = None) -> dict:
@@ -309,6 +362,12 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     for kind in KINDS.values():     # each kind present reads its own fields (its section, a window)
         if kind.name in used:
             kind.import_hf(cfg, spec)
+    moe = moe_from_hf(cfg, traits.get("moe"))
+    if moe is not None:
+        spec["moe"] = moe
+        ffn = ffn_from_hf(cfg, num_layers)
+        if ffn is not None:
+            spec["layers"]["ffn"] = ffn
     if traits.get("weight_names"):
         spec["weight_names"] = dict(traits["weight_names"])
     if traits.get("adjust"):

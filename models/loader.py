@@ -25,6 +25,33 @@ class WeightError(ValueError):
 # Checkpoint tensors that carry nothing we use.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+# Layout changes a weight source may ask for (a 4th entry: names applied left to right), for
+# checkpoints that store a tensor otherwise than our param: GPT-OSS's experts are [E, in, out]
+# with gate and up columns alternating.
+TRANSFORMS = {
+    "transpose": lambda t: t.transpose(-1, -2),                          # [.., a, b] -> [.., b, a]
+    "deinterleave": lambda t: torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1),   # a0 b0 a1 b1 -> a0 a1 b0 b1
+}
+
+
+def apply_transforms(tensor: torch.Tensor, names: tuple[str, ...]) -> torch.Tensor:
+    for name in names:
+        tensor = TRANSFORMS[name](tensor)
+    return tensor
+
+
+def copy_source(param: torch.Tensor, tensor: torch.Tensor, offset: int, rows: int,
+                transforms: tuple[str, ...] = (), where: str = "") -> None:
+    """Copy one checkpoint tensor (after its transforms) into rows [offset, offset + rows) of
+    `param`; a tensor with one dim fewer fills a fused [E, r, c] param viewed as [E * r, c]."""
+    tensor = apply_transforms(tensor, transforms)
+    if tensor.dim() == param.dim() - 1:
+        param = param.view(-1, *param.shape[2:])
+    expected = (rows, *param.shape[1:])
+    if tuple(tensor.shape) != expected:
+        raise WeightError(f"{where or 'tensor '}has shape {list(tensor.shape)}, the spec expects {list(expected)}")
+    param[offset: offset + rows].copy_(tensor)
+
 
 def checkpoint_dir(spec: ModelSpec) -> Path | None:
     """Directory holding the spec's safetensors (None for dummy weights)."""
@@ -81,10 +108,10 @@ def _size_by_file(sources: dict[str, list], files: list[Path], params: dict) -> 
     checkpoint tensor has: a concatenation whose split points the checkpoint decides (OLMo-
     Hybrid's q/k/v convs, which HF's save_pretrained re-splits into equal thirds). Their
     shapes come from the safetensors headers; the rows must add up to the parameter's."""
-    flexible = {p: parts for p, parts in sources.items() if any(off is None for _, off, _ in parts)}
+    flexible = {p: parts for p, parts in sources.items() if any(part[1] is None for part in parts)}
     if not flexible:
         return sources
-    wanted = {name for parts in flexible.values() for name, _, _ in parts}
+    wanted = {part[0] for parts in flexible.values() for part in parts}
     rows_of: dict[str, int] = {}
     for file in files:
         with _open(file) as f:
@@ -92,51 +119,52 @@ def _size_by_file(sources: dict[str, list], files: list[Path], params: dict) -> 
                 rows_of[name] = f.get_slice(name).get_shape()[0]
     sources = dict(sources)
     for param, parts in flexible.items():
-        if any(name not in rows_of for name, _, _ in parts):
-            sources[param] = [(name, 0, 0) for name, _, _ in parts]     # reported as missing below
+        if any(part[0] not in rows_of for part in parts):
+            sources[param] = [(part[0], 0, 0) for part in parts]     # reported as missing below
             continue
         offsets = [0]
-        for name, _, _ in parts:
-            offsets.append(offsets[-1] + rows_of[name])
+        for part in parts:
+            offsets.append(offsets[-1] + rows_of[part[0]])
         if offsets[-1] != params[param].shape[0]:
-            raise WeightError(f"{files[0].parent}: {', '.join(n for n, _, _ in parts)} have {offsets[-1]} rows "
+            raise WeightError(f"{files[0].parent}: {', '.join(part[0] for part in parts)} have {offsets[-1]} rows "
                               f"together, the spec expects {params[param].shape[0]}")
-        sources[param] = [(name, off, rows_of[name]) for (name, _, _), off in zip(parts, offsets)]
+        sources[param] = [(part[0], off, rows_of[part[0]], *part[3:]) for part, off in zip(parts, offsets)]
     return sources
 
 
 @torch.no_grad()
-def load_safetensors(model: CausalLM, path: Path) -> None:
-    params = dict(model.named_parameters())
-    targets: dict[str, tuple[str, int, int]] = {}
-    sources = _size_by_file(model.weight_sources(), _safetensors_files(path), params)
+def fill_from_safetensors(params: dict[str, torch.Tensor], sources: dict[str, list[tuple]], path: Path) -> list[str]:
+    """Fill `params` from the safetensors under `path` as `sources` says (param name ->
+    [(checkpoint tensor, row offset, rows[, transforms])]). Raises on a missing tensor or a
+    wrong shape; returns the checkpoint tensors no source named."""
+    files = _safetensors_files(path)
+    sources = _size_by_file(sources, files, params)
+    targets: dict[str, tuple] = {}
     for param, parts in sources.items():
-        for ckpt_name, offset, rows in parts:
-            targets[ckpt_name] = (param, offset, rows)
+        for ckpt_name, offset, rows, *transforms in parts:
+            targets[ckpt_name] = (param, offset, rows, tuple(transforms[0]) if transforms else ())
     seen: set[str] = set()
-    unexpected: list[str] = []
-    tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
-    for file in _safetensors_files(path):
+    unused: list[str] = []
+    for file in files:
         with _open(file) as f:
             for name in f.keys():
                 if name not in targets:
-                    if name != tied_head and not name.endswith(_IGNORED_SUFFIXES):
-                        unexpected.append(name)
+                    unused.append(name)
                     continue
-                param_name, offset, rows = targets[name]
-                param = params[param_name]
+                param_name, offset, rows, transforms = targets[name]
                 tensor = f.get_tensor(name)   # a read past a truncated file raises in _open
-                if tensor.dim() == param.dim() - 1:   # fused experts [E, r, c] filled as [E * r, c]
-                    param = param.view(-1, *param.shape[2:])
-                expected = (rows, *param.shape[1:])
-                if tuple(tensor.shape) != expected:
-                    raise WeightError(f"{file}: tensor '{name}' has shape {list(tensor.shape)}, "
-                                      f"the spec expects {list(expected)}")
-                param[offset: offset + rows].copy_(tensor)
+                copy_source(params[param_name], tensor, offset, rows, transforms, f"{file}: tensor '{name}' ")
                 seen.add(name)
     missing = sorted(set(targets) - seen)
     if missing:
         raise WeightError(f"{path}: missing tensors: {_fmt(missing)}")
+    return unused
+
+
+def load_safetensors(model: CausalLM, path: Path) -> None:
+    unused = fill_from_safetensors(dict(model.named_parameters()), model.weight_sources(), path)
+    tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
+    unexpected = [n for n in unused if n != tied_head and not n.endswith(_IGNORED_SUFFIXES)]
     if unexpected:
         raise WeightError(f"{path}: unexpected tensors (not in the spec): {_fmt(sorted(unexpected))}")
 

@@ -24,6 +24,7 @@ import yaml
 
 from models import kinds as layer_kinds
 from models.activations import ACTIVATIONS
+from models.moe_spec import MoESpec, validate_moe   # the `moe:` section (re-exported here)
 
 # A spec's `dtype` name -> the torch dtype the builder and the engine use.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,28 +74,6 @@ class RopeSpec:
     low_freq_factor: float = 1.0          # llama3 scaling
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-
-
-@dataclass(slots=True)
-class MoESpec:
-    """Sparse MoE MLP. style qwen (Qwen3-Next): softmax router, top-k (optionally
-    renormalised), SwiGLU experts, plus a shared expert scaled by sigmoid(shared_expert_gate).
-    style granite (GraniteMoeHybrid): top-k then softmax, fused experts, plus an ungated
-    shared MLP; num_experts 0 leaves only the shared MLP."""
-    num_experts: int
-    num_experts_per_tok: int
-    intermediate_size: int
-    shared_expert_intermediate_size: int
-    norm_topk_prob: bool = True
-    decoder_sparse_step: int = 1          # layer i is MoE when (i + 1) % step == 0 ...
-    mlp_only_layers: list = field(default_factory=list)   # ... and i is not listed here
-    style: str = "qwen"
-
-    def is_moe(self, layer: int) -> bool:
-        if self.style == "granite":
-            return True
-        return self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0 \
-            and layer not in self.mlp_only_layers
 
 
 FFN_KINDS = ("mlp", "moe", "none")
@@ -155,7 +134,23 @@ DEFAULT_WEIGHT_NAMES = {
     "gate": "mlp.gate_proj",
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
-    "moe": "mlp",                         # prefix of an MoE block (router gate, experts.{e}.*, shared_expert*)
+    # An MoE block (models.moe): `moe` is its prefix under `layer` ("": its parts sit on the layer),
+    # the others are relative to it. The `moe:` section's `style` may preset them (granite).
+    "moe": "mlp",
+    "moe_router": "gate",                 # {router}.weight, .bias, .e_score_correction_bias
+    "moe_experts": "experts",
+    "moe_expert_gate": "gate_proj",       # per_expert layout: {experts}.{e}.{name}.weight (and .bias)
+    "moe_expert_up": "up_proj",
+    "moe_expert_down": "down_proj",       # fused layouts: {experts}.{name} (and {name}_bias)
+    "moe_expert_gate_up": "gate_up_proj",  # fused layouts, gated experts
+    "moe_shared": "shared_expert",        # {shared}.{name}.weight for the three below
+    "moe_shared_gate": "gate_proj",
+    "moe_shared_up": "up_proj",
+    "moe_shared_down": "down_proj",
+    "moe_shared_gate_up": "",             # set: the shared expert's gate and up are one fused linear
+    "moe_shared_expert_gate": "shared_expert_gate",   # sigmoid gate of the shared expert, [1, hidden]
+    "moe_latent_in": "fc1_latent_proj",   # latent_size: hidden -> latent before the experts
+    "moe_latent_out": "fc2_latent_proj",  # ... and back after them
 }
 
 
@@ -360,7 +355,7 @@ def _validate(spec: ModelSpec, fail) -> None:
     if spec.rope_local is not None:
         choices.append(("rope_local.type", spec.rope_local.type, ROPE_TYPES))
     if spec.moe is not None:
-        choices.append(("moe.style", spec.moe.style, ("qwen", "granite")))
+        validate_moe(spec.moe, spec.num_layers, fail)
     for where, value, allowed in choices:
         if value not in allowed:
             fail(where, f"{value!r} is not one of {', '.join(allowed)}")
@@ -391,6 +386,8 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail(f"weight_names.{key}", "expected a string")
     if not all(isinstance(t, int) for t in spec.eos_token_ids):
         fail("eos_token_ids", "expected a list of token ids")
+
+
 
 
 def _merge(base: dict, over: dict) -> dict:

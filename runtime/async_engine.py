@@ -80,8 +80,8 @@ class AsyncEngine:
         return self.engine.kv_cache_stats()
 
     # ------------------------------------------------------------- asyncio side
-    async def add_request(self, prompt, params: SamplingParams, request_id: str, cap_max_tokens: bool = True
-                          ) -> tuple[Request, AsyncIterator[RequestOutput]]:
+    async def add_request(self, prompt, params: SamplingParams, request_id: str, cap_max_tokens: bool = True,
+                          priority: int = 0) -> tuple[Request, AsyncIterator[RequestOutput]]:
         """Validate and enqueue one request; returns it and its output stream, which
         yields the outputs of all its n samples (`outputs[0].index` says which) as they come.
 
@@ -97,7 +97,7 @@ class AsyncEngine:
         if request_id in self._streams or "#" in request_id:   # '#' separates sample ids
             raise ValueError(f"request id {request_id!r} is already in use or contains '#'")
         self._streams[request_id] = stream
-        self._commands.put(("add", (prompt, params, request_id, cap_max_tokens)))
+        self._commands.put(("add", (prompt, params, request_id, cap_max_tokens, priority)))
         self._wake.set()
         try:
             first = await stream.queue.get()
@@ -171,12 +171,13 @@ class AsyncEngine:
         if self.metrics is not None:
             self.metrics.update_engine_state(engine.kv_cache_stats())
 
-    def _add(self, prompt, params: SamplingParams, request_id: str, cap_max_tokens: bool) -> None:
+    def _add(self, prompt, params: SamplingParams, request_id: str, cap_max_tokens: bool, priority: int = 0) -> None:
         stream = self._streams.get(request_id)
         if stream is None:      # the client left before we got here
             return
         try:
-            request = self.engine.make_request(prompt, params, request_id, cap_max_tokens=cap_max_tokens)
+            request = self.engine.make_request(prompt, params, request_id, cap_max_tokens=cap_max_tokens,
+                                               priority=priority)
             stream.sample_ids = self.engine.add_request(request, stream_text=True)   # all or nothing
         except ValueError as e:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)

@@ -23,6 +23,7 @@ class EngineConfig:
     cuda_graphs: bool = False               # replay captured decode steps (device='cuda', flashinfer)
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
+    scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):
@@ -35,6 +36,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
         if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, (str, os.PathLike)):
             raise ValueError(f"compile_cache_dir must be a path, got {self.compile_cache_dir!r}")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not isinstance(self.prepack_weights, bool):
             raise ValueError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
         if self.cuda_graphs and not str(self.device).startswith("cuda"):

@@ -26,7 +26,7 @@ from models.builder import DTYPES
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.limits import ParamError, check_text, is_int
+from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
 from runtime.worker.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
@@ -93,7 +93,7 @@ class Engine:
             min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
             chunk_tokens=config.max_num_batched_tokens)
         self.kv_manager = KVCacheManager(kv_config, enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_manager, max_num_seqs=config.max_num_seqs,
+        self.scheduler = Scheduler(self.kv_manager, policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
         self.runner = ModelRunner(self.model, kv_config, max_num_reqs=config.max_num_seqs,
@@ -141,7 +141,7 @@ class Engine:
         return text, self.tokenizer.encode(text, add_special_tokens=special)
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                     cap_max_tokens: bool = True) -> Request:
+                     cap_max_tokens: bool = True, priority: int = 0) -> Request:
         """Validate one prompt + params into a Request (nothing is scheduled yet). Every
         check that can fail because of what the caller sent happens here, so a request that
         passes cannot break a step. A max_tokens beyond the room left in max_model_len is
@@ -179,7 +179,13 @@ class Engine:
             raise ParamError("cache_salt must be a string", "cache_salt")
         if salt is not None:
             check_text(salt, "cache_salt")
-        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text, cache_salt=salt)
+        if not is_int(priority) or not -INT64_MAX - 1 <= priority <= INT64_MAX:
+            raise ParamError("priority must be an integer within int64", "priority")
+        if priority and self.scheduler.policy != "priority":
+            raise ParamError("priority: only the priority scheduling policy takes it "
+                             "(scheduling_policy='priority', --scheduling-policy priority)", "priority")
+        return Request(request_id, ids, params, self.eos_token_ids, max_tokens, prompt=text, cache_salt=salt,
+                       priority=priority)
 
     def _tokenize_bad_words(self, params: SamplingParams) -> None:
         """Each bad word as the tokenizer spells it alone and after a space (vLLM's rule)."""

@@ -38,8 +38,9 @@ class LLM:
         return self.engine.kv_cache_capacity(num_tokens)
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run every prompt to completion; results come back in input order."""
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; results come back in input order. `priority`
+        (one per prompt, lower first) needs scheduling_policy='priority'."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -55,7 +56,10 @@ class LLM:
                   if isinstance(sp, SamplingParams) else sp for sp in params]
         engine = self.engine
         # Validate everything before scheduling anything: one bad prompt leaves no work behind.
-        requests = [engine.make_request(p, sp) for p, sp in zip(prompts, params)]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priority)} priorities")
+        requests = [engine.make_request(p, sp, priority=0 if priority is None else priority[i])
+                    for i, (p, sp) in enumerate(zip(prompts, params))]
         parents: dict[str, tuple[int, ParentRequest]] = {}     # sample id -> (prompt index, its parent)
         for i, req in enumerate(requests):
             parent = ParentRequest(req.request_id, req.sampling_params.n, final_only=True)

@@ -1,7 +1,9 @@
 """Prometheus metrics for the server (prometheus-client, own registry).
 
 The engine thread updates them after each step; `/metrics` renders the registry. Names
-follow the usual serving conventions (`*_total` counters, `*_seconds` histograms).
+follow the usual serving conventions (`*_total` counters, `*_seconds` histograms). Each
+metric vLLM also has is rendered a second time under vLLM's name (`vllm:*`, with its label
+spellings), so dashboards and `vllm bench` built for vLLM read this server unchanged.
 """
 from __future__ import annotations
 
@@ -9,6 +11,37 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
                     0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+
+
+# Our metric name -> vLLM's (the same quantity): rendered under both.
+VLLM_NAMES = {
+    "zooinfer_num_requests_running": "vllm:num_requests_running",
+    "zooinfer_num_requests_waiting": "vllm:num_requests_waiting",
+    "zooinfer_kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "zooinfer_num_preemptions": "vllm:num_preemptions",
+    "zooinfer_prompt_tokens": "vllm:prompt_tokens",
+    "zooinfer_generation_tokens": "vllm:generation_tokens",
+    "zooinfer_request_success": "vllm:request_success",
+    "zooinfer_time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "zooinfer_inter_token_latency_seconds": "vllm:inter_token_latency_seconds",
+    "zooinfer_e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
+_VLLM_LABELS = {'finish_reason="': 'finished_reason="'}
+
+
+def _vllm_aliases(text: str) -> str:
+    """The lines of the metrics vLLM also has, renamed to vLLM's names and labels."""
+    out = []
+    for line in text.splitlines():
+        body = line[7:] if line.startswith(("# HELP ", "# TYPE ")) else line
+        for ours, theirs in VLLM_NAMES.items():
+            if body.startswith(ours) and body[len(ours):len(ours) + 1] in ("", " ", "{", "_"):
+                renamed = line.replace(ours, theirs, 1)
+                for a, b in _VLLM_LABELS.items():
+                    renamed = renamed.replace(a, b)
+                out.append(renamed)
+                break
+    return "\n".join(out) + "\n"
 
 
 class ServerMetrics:
@@ -63,4 +96,5 @@ class ServerMetrics:
             self._preemptions_seen = stats["num_preemptions"]
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        text = generate_latest(self.registry).decode()
+        return (text + _vllm_aliases(text)).encode()

@@ -36,7 +36,7 @@ _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": _unset,
     "use_beam_search": _unset, "length_penalty": _is(1, 1.0), "truncate_prompt_tokens": _unset,
     "guided_decoding_backend": _unset, "logits_processors": _unset,
-    "return_tokens_as_token_ids": _unset, "priority": _is(0), "spaces_between_special_tokens": _is(True),
+    "spaces_between_special_tokens": _is(True),
 }
 _NOT_YET_COMPLETION = {**_NOT_YET_COMMON, "suffix": _unset}
 _NOT_YET_CHAT = {
@@ -63,6 +63,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False    # vLLM: usage so far on every chunk
 
 
 class _Common(_Strict):
@@ -84,6 +85,8 @@ class _Common(_Strict):
     allowed_token_ids: list[int] | None = None   # extension
     return_token_ids: bool = False      # extension (vLLM): prompt_token_ids and token_ids in the response
     bad_words: list[str] | None = None  # extension
+    priority: int = 0                   # extension: lower first, with --scheduling-policy priority
+    return_tokens_as_token_ids: bool = False   # extension: logprob tokens spelled "token_id:<id>"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* spellings; at most one of them (runtime/structured_outputs.py).
     response_format: dict[str, Any] | None = None

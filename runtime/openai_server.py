@@ -31,7 +31,7 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
 
 
-def _bad_param(e: ValueError) -> APIError:
+def bad_param(e: ValueError) -> APIError:
     """A 400 for a refused value; SamplingParams' messages lose their class prefix here."""
     message = str(e).removeprefix("SamplingParams.")
     return APIError(400, message, getattr(e, "param", None), "invalid_request")
@@ -77,19 +77,20 @@ class OpenAIServer:
                 await asyncio.to_thread(self.engine.engine.grammars.compile, params.structured_outputs,
                                         body.structured_field)
         except ParamError as e:
-            raise _bad_param(e) from None
+            raise bad_param(e) from None
         base = uuid.uuid4().hex
         started = []
         try:
             for p_idx, prompt in enumerate(prompts):
-                req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}", cap_max_tokens=False)
+                req, stream = await self.engine.add_request(prompt, params, f"{base}-{p_idx}", cap_max_tokens=False,
+                                                            priority=body.priority)
                 started.append((p_idx, req, stream))
         except (ValueError, RequestFailedError) as e:
             for _, _, stream in started:
                 await stream.aclose()
             if isinstance(e, RequestFailedError):
                 raise
-            raise _bad_param(e) from None
+            raise bad_param(e) from None
         return base, started
 
     @staticmethod
@@ -171,23 +172,35 @@ class OpenAIServer:
         """The k best (token_id, Logprob) of one position, best first."""
         return sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
 
-    def completion_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
-        lps = out.outputs[0].logprobs
+    @staticmethod
+    def _spell(body, token_id: int, lp) -> str:
+        """A logprob entry's token: its text, or `token_id:<id>` (vLLM's return_tokens_as_token_ids)."""
+        return f"token_id:{token_id}" if body.return_tokens_as_token_ids else (lp.decoded_token or "")
+
+    def completion_logprobs(self, out: RequestOutput, body, start: int = 0) -> dict | None:
+        """OpenAI's completions logprobs from token `start` on; `text_offset` is each token's
+        character offset in the choice's text (its tokens' texts laid end to end)."""
+        lps, k = out.outputs[0].logprobs, body.logprobs
         if lps is None:
             return None
         ids = out.outputs[0].token_ids
-        return {"tokens": [d[t].decoded_token for t, d in zip(ids[start:], lps[start:])],
+        offset = sum(len(d[t].decoded_token or "") for t, d in zip(ids[:start], lps[:start]))
+        offsets = []
+        for t, d in zip(ids[start:], lps[start:]):
+            offsets.append(offset)
+            offset += len(d[t].decoded_token or "")
+        return {"tokens": [self._spell(body, t, d[t]) for t, d in zip(ids[start:], lps[start:])],
                 "token_logprobs": [d[t].logprob for t, d in zip(ids[start:], lps[start:])],
-                "top_logprobs": [{lp.decoded_token: lp.logprob for _, lp in self._top(d, k or 0)}
+                "top_logprobs": [{self._spell(body, tid, lp): lp.logprob for tid, lp in self._top(d, k or 0)}
                                  for d in lps[start:]],
-                "text_offset": []}
+                "text_offset": offsets}
 
     async def completions(self, body: CompletionRequest, raw: Request):
         self.check_model(body.model)
         try:
             prompts = body.prompts()
         except ParamError as e:
-            raise _bad_param(e) from None
+            raise bad_param(e) from None
         base, started = await self.start(prompts, body, body.max_tokens, body.logprobs)
         rid, created = f"cmpl-{base}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -196,7 +209,7 @@ class OpenAIServer:
         finals = await self.collect(raw, started, body.n)
         echo = self._echo(body, started)
         choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
-                    "logprobs": self.completion_logprobs(out, body.logprobs),
+                    "logprobs": self.completion_logprobs(out, body),
                     "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out)}
                    for i, out in sorted(finals.items())]
         return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
@@ -226,22 +239,38 @@ class OpenAIServer:
             return {"text": delta}
 
         return self._stream(body, started, head,
-                            lambda out, start: self.completion_logprobs(out, body.logprobs, start), choice)
+                            lambda out, start: self.completion_logprobs(out, body, start), choice)
 
     # ------------------------------------------------------------- /v1/chat/completions
-    def chat_logprobs(self, out: RequestOutput, k: int | None, start: int = 0) -> dict | None:
-        lps = out.outputs[0].logprobs
+    def chat_logprobs(self, out: RequestOutput, body, start: int = 0) -> dict | None:
+        lps, k = out.outputs[0].logprobs, body.top_logprobs
         if lps is None:
             return None
 
-        def entry(lp) -> dict:
+        def entry(tid: int, lp) -> dict:
             tok = lp.decoded_token or ""
-            return {"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode())}
+            return {"token": self._spell(body, tid, lp), "logprob": lp.logprob, "bytes": list(tok.encode())}
 
-        return {"content": [{**entry(d[t]), "top_logprobs": [entry(lp) for _, lp in self._top(d, k or 0)]}
+        return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(tid, lp) for tid, lp in self._top(d, k or 0)]}
                             for t, d in zip(out.outputs[0].token_ids[start:], lps[start:])]}
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
+        base, started, mode = await self.start_chat(body)
+        rid, created = f"chatcmpl-{base}", int(time.time())
+        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
+        if body.stream:
+            head["object"] = "chat.completion.chunk"
+            return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
+        finals = await self.collect(raw, started, body.n)
+        choices = [{"index": i, **self._message(out, mode, "message"),
+                    "logprobs": self.chat_logprobs(out, body), **self._token_ids(body, out, prompt=False)}
+                   for i, out in sorted(finals.items())]
+        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
+
+    async def start_chat(self, body: ChatCompletionRequest):
+        """Check a chat request, render it through the template (tools included) and enqueue
+        it; returns (call id, started, tool mode). /v1/responses comes through here too."""
         self.check_model(body.model)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -250,7 +279,7 @@ class OpenAIServer:
             messages = tool_calls.template_messages(body.template_messages())
             tools, mode = tool_calls.check_tools(body.tools, body.tool_choice)
         except ParamError as e:
-            raise _bad_param(e) from None
+            raise bad_param(e) from None
         if mode == "auto" and self.tool_parser is None:
             raise APIError(400, "tool_choice: 'auto' needs a tool parser for this model (tool_parser in its zoo "
                            "YAML, or --tool-call-parser); use 'required', 'none' or a named function", "tool_choice")
@@ -265,29 +294,23 @@ class OpenAIServer:
         prompt = {"prompt": text, "add_special_tokens": body.add_special_tokens}
         constraint = tool_calls.constraint(tools, mode) if mode else None
         base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k, constraint)
-        rid, created = f"chatcmpl-{base}", int(time.time())
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
-        if body.stream:
-            head["object"] = "chat.completion.chunk"
-            return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
-        finals = await self.collect(raw, started, body.n)
-        choices = [{"index": i, **self._message(out, mode, "message"),
-                    "logprobs": self.chat_logprobs(out, body.top_logprobs), **self._token_ids(body, out, prompt=False)}
-                   for i, out in sorted(finals.items())]
-        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
+        return base, started, mode
+
+    def parse_calls(self, out: RequestOutput, mode: str | None) -> tuple[str | None, list]:
+        """(content, tool calls) of a finished output under its tool mode."""
+        text = out.outputs[0].text
+        if mode == "auto":
+            return self.tool_parser.parse(text)
+        if mode not in (None, "none"):
+            calls = tool_calls.calls_from_constrained(mode, text)
+            return (None, calls) if calls else (text, [])   # cut off before complete: what it wrote
+        return text, []
 
     def _message(self, out: RequestOutput, mode: str | None, key: str) -> dict:
         """A choice's message (or final delta) and finish reason: with tools, the calls the
         text holds (parsed, or constrained by tool_choice) and the content around them."""
         c = out.outputs[0]
-        content, calls = c.text, []
-        if mode == "auto":
-            content, calls = self.tool_parser.parse(c.text)
-        elif mode not in (None, "none"):
-            content, calls = None, tool_calls.calls_from_constrained(mode, c.text)
-            if not calls:           # cut off before the call was complete: what it wrote
-                content = c.text
+        content, calls = self.parse_calls(out, mode)
         msg = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             msg["tool_calls"] = [call.to_openai(j if key == "delta" else None) for j, call in enumerate(calls)]
@@ -312,7 +335,7 @@ class OpenAIServer:
             return final
 
         async for event in self._stream(body, started, head,
-                                        lambda out, start: self.chat_logprobs(out, body.top_logprobs, start), choice):
+                                        lambda out, start: self.chat_logprobs(out, body, start), choice):
             yield event
 
     async def _stream(self, body, started, head, logprobs, choice) -> AsyncIterator[str]:
@@ -321,6 +344,7 @@ class OpenAIServer:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finals = []
+        continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
         try:
             async for i, out in self.merged(started, body.n):
                 c = out.outputs[0]
@@ -333,9 +357,13 @@ class OpenAIServer:
                         continue
                     sent_text[i] = max(upto, sent_text.get(i, 0))
                     sent_tokens[i] = len(c.token_ids)
-                    yield _sse({**head, "choices": [{"index": i, "logprobs": lp,
-                                                     "finish_reason": c.finish_reason if out.finished else None,
-                                                     **part}]})
+                    chunk = {**head, "choices": [{"index": i, "logprobs": lp,
+                                                  "finish_reason": c.finish_reason if out.finished else None, **part}]}
+                    if continuous:       # vLLM: this choice's usage so far on every chunk
+                        n_prompt = len(out.prompt_token_ids)
+                        chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": len(c.token_ids),
+                                          "total_tokens": n_prompt + len(c.token_ids)}
+                    yield _sse(chunk)
                 if out.finished:
                     finals.append(out)
             if body.stream_options and body.stream_options.include_usage:

@@ -36,12 +36,14 @@ class Request:
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling_params", "output_token_ids",
                  "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
                  "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob",
-                 "cache_salt", "block_hashes", "external_tokens", "sample_index", "num_cached_tokens")
+                 "cache_salt", "block_hashes", "external_tokens", "sample_index", "num_cached_tokens",
+                 "priority")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None,
-                 cache_salt: str | None = None):
+                 cache_salt: str | None = None, priority: int = 0):
         self.request_id = request_id
+        self.priority = priority            # lower runs first under the priority policy
         self.prompt = prompt                # the text, when the user sent text
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -72,7 +74,8 @@ class Request:
         a sample of n); it starts unscheduled, with no blocks of its own."""
         child = Request(request_id, self.prompt_token_ids, sampling_params or self.sampling_params,
                         self.eos_token_ids, self.max_tokens, prompt=self.prompt,
-                        cache_salt=self.cache_salt.decode() or None)
+                        cache_salt=self.cache_salt.decode() or None, priority=self.priority)
+        child.arrival_time = self.arrival_time
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.external_tokens = self.external_tokens

@@ -6,7 +6,10 @@ in total: a long prompt is simply scheduled a chunk at a time (chunked prefill),
 is a request one token behind. Running requests go first, in admission order; waiting ones
 are admitted FCFS while the budget, `max_num_seqs` and the KV pool allow. When the pool runs
 dry, the most recently admitted running request is preempted by recompute: its blocks are
-freed and it rejoins the head of the waiting queue.
+freed and it rejoins the head of the waiting queue. With `policy="priority"` (vLLM's
+`--scheduling-policy priority`) the waiting queue is kept in (priority, arrival) order, lower
+first, and the running request with the largest (priority, arrival) among those not yet
+scheduled this step is the one preempted.
 """
 from __future__ import annotations
 
@@ -57,9 +60,19 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
+POLICIES = ("fcfs", "priority")
+
+
+def _rank(req: Request) -> tuple[int, float]:
+    return req.priority, req.arrival_time
+
+
 class Scheduler:
     def __init__(self, kv_cache_manager: KVCacheManager, *, max_num_seqs: int,
-                 max_num_batched_tokens: int, max_model_len: int):
+                 max_num_batched_tokens: int, max_model_len: int, policy: str = "fcfs"):
+        if policy not in POLICIES:
+            raise ValueError(f"scheduling policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+        self.policy = policy
         self.kv = kv_cache_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -86,7 +99,21 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, req: Request) -> None:
+        """A new or preempted request joins the waiting queue: FCFS at the tail (a preempted
+        one at the head, `_preempt`), or under the priority policy in (priority, arrival) order
+        (behind the forks that already hold blocks)."""
+        if self.policy == "fcfs":
+            self.waiting.append(req)
+            return
+        rank = _rank(req)
+        for i, other in enumerate(self.waiting):
+            if other.request_id not in self.held_waiting and _rank(other) > rank:
+                self.waiting.insert(i, req)
+                return
+        self.waiting.append(req)
 
     def add_fork(self, request: Request, parent_id: str) -> None:
         """Add a sample of `parent_id`'s prompt that forks from it once the parent has
@@ -95,7 +122,7 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         if request.num_prompt_tokens == 1:
-            self.waiting.append(request)
+            self._enqueue(request)
         else:
             self.forks.setdefault(parent_id, []).append(request)
 
@@ -211,7 +238,11 @@ class Scheduler:
                 if self._preempt_idle(out):   # an idle request gives way before a working one
                     i = self.running.index(req)
                     continue
-                victim = self.running.pop()
+                if self.policy == "fcfs":
+                    victim = self.running.pop()
+                else:       # the lowest-ranked of those not yet scheduled this step (req included)
+                    victim = max(self.running[i:], key=_rank)
+                    self.running.remove(victim)
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -311,7 +342,10 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if self.policy == "fcfs":
+            self.waiting.appendleft(req)
+        else:
+            self._enqueue(req)
         out.preempted_req_ids.add(req.request_id)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],

@@ -22,13 +22,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime import tokenize_api
+from runtime import responses_api, tokenize_api
 from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, SafeJSONResponse
 from runtime.limits import short_repr
 from runtime.metrics import ServerMetrics
 from runtime.openai_protocol import error_body
-from runtime.openai_server import APIError, OpenAIServer
+from runtime.openai_server import APIError, OpenAIServer, bad_param
 
 log = logging.getLogger("zooinfer")
 
@@ -74,6 +74,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app.post("/v1/chat/completions")(server.chat)
     app.get("/v1/models")(server.models)
     tokenize_api.add_routes(app, server, APIError)
+    responses_api.add_routes(app, server, bad_param)
 
     @app.get("/health")
     async def health():
@@ -114,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the spec's)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (cuda + flashinfer)")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                    help="priority: requests' `priority` field orders admission and preemption (lower first)")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
     ap.add_argument("--tool-call-parser", default=None,
                     help="how tool calls are found in the model's text for tool_choice auto (hermes); "
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                               compile_cache_dir=args.compile_cache_dir, attention_backend=args.attention_backend,
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                               enable_prefix_caching=not args.no_prefix_caching,
-                              prepack_weights=not args.no_prepack_weights)
+                              prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -119,3 +119,24 @@ def test_structured_outputs_over_http(served):
     assert re.fullmatch("[A-Z]{3}[0-9]{2}", code.choices[0].text)
     with pytest.raises(openai.BadRequestError, match="guided_regex"):
         client.completions.create(model="tiny-chat", prompt="x", max_tokens=2, extra_body={"guided_regex": "(["})
+
+
+def test_logprob_details_and_continuous_usage(served):
+    http, tok = served
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    lp = _post(http, "completions", body).json()["choices"][0]["logprobs"]
+    lengths = [len(t) for t in lp["tokens"]]
+    assert lp["text_offset"] == [sum(lengths[:i]) for i in range(len(lengths))] and lp["text_offset"][0] == 0
+    as_ids = _post(http, "completions", {**body, "return_tokens_as_token_ids": True, "return_token_ids": True}).json()
+    ids = as_ids["choices"][0]["token_ids"]
+    assert as_ids["choices"][0]["logprobs"]["tokens"] == [f"token_id:{t}" for t in ids]
+    assert all(k.startswith("token_id:") for d in as_ids["choices"][0]["logprobs"]["top_logprobs"] for k in d)
+    chat = _post(http, "chat/completions", {"messages": CHAT, "max_tokens": 3, "temperature": 0, "logprobs": True,
+                                            "top_logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    assert all(e["token"].startswith("token_id:") for e in chat["choices"][0]["logprobs"]["content"])
+    stream = _post(http, "completions", {**body, "stream": True, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    chunks = [e for e in _events(stream) if e["choices"]]
+    assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 7))
+    streamed = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == lp["text_offset"]
