@@ -50,10 +50,13 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: Any, scale: float) -> torch.Tensor:
+                meta: Any, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Write k/v of this step into the cache, then attend.
 
         q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim].
+        sinks: None, or [num_heads] logits (already in softmax units, not scaled) that join
+        each query's softmax denominator as a key with no value: out = sum_j p_j v_j with
+        p_j = exp(s_j) / (exp(sink_h) + sum_i exp(s_i)). A backend that cannot must raise.
         Returns [num_tokens, num_heads, head_dim].
         """
 

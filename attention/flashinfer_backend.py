@@ -204,7 +204,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         meta.planned, meta.sm_scale = True, scale
 
     # ------------------------------------------------------------- running
-    def forward(self, q, k, v, kv_cache, meta: FlashInferMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache, meta: FlashInferMetadata, scale: float, sinks=None):
+        if sinks is not None:
+            # The paged wrappers used here take no sink logits; FlashInfer's sink-aware entry points
+            # (trtllm-gen kernels) are not wired or verified here, so refuse instead of dropping them.
+            raise NotImplementedError("attention backend 'flashinfer' does not support attention sinks "
+                                      "(attention.sinks, gpt-oss); use attention_backend='triton' on GPU")
         self._forward_seen = True
         if not kv_cache.is_contiguous():      # packed pool pages: unverified here (see the module docstring)
             raise ValueError(

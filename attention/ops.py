@@ -15,18 +15,20 @@ from attention.context import get_forward_context
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-           layer_id: int, scale: float) -> torch.Tensor:
+           layer_id: int, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write this step's k/v into the layer's pages and attend: what `zooinfer::paged_attention`
     runs. Eager callers use this directly (the custom-op dispatch costs ~35 us a call, a few
-    ms per step on a 30-layer model); traced code must use the op (see `paged_attention_op`)."""
+    ms per step on a 30-layer model); traced code must use the op (see `paged_attention_op`).
+    `sinks` ([num_heads], optional): a learned logit per head in every query's softmax
+    denominator, with no value (gpt-oss); backends that cannot honour it raise."""
     ctx = get_forward_context()
-    return ctx.backend.forward(q, k, v, kv_cache, ctx.layer_meta[layer_id], scale)
+    return ctx.backend.forward(q, k, v, kv_cache, ctx.layer_meta[layer_id], scale, sinks)
 
 
 @torch.library.custom_op("zooinfer::paged_attention", mutates_args=("kv_cache",))
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    layer_id: int, scale: float) -> torch.Tensor:
-    return attend(q, k, v, kv_cache, layer_id, scale)
+                    layer_id: int, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return attend(q, k, v, kv_cache, layer_id, scale, sinks)
 
 
 def paged_attention_op():
@@ -36,7 +38,7 @@ def paged_attention_op():
 
 
 @paged_attention.register_fake
-def _(q, k, v, kv_cache, layer_id, scale):
+def _(q, k, v, kv_cache, layer_id, scale, sinks=None):
     return torch.empty_like(q)
 
 

@@ -26,6 +26,11 @@ or requests. Sliding-window groups read only the keys inside the window.
 A layer's cache may be a strided view (pages a pool page apart, cache/pool_layout.py): the C++
 kernels and the padded path read it in place; the sparse decode path, which sees the whole
 cache as one row matrix, needs a contiguous cache and otherwise hands over to the padded path.
+
+Attention sinks (a per-head logit in the softmax denominator, with no value) are honoured by
+every path: the C++ kernels start their online softmax from the sink, the sparse decode adds
+a sink column to its padded score grid, and the padded SDPA gets one extra key whose vector
+and value are zero, its score set to the sink through a float mask.
 """
 from __future__ import annotations
 
@@ -200,7 +205,7 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(slot_mapping=layout.slot_mapping.to(device), kv_rows=None,
                                       parts=parts, decodes=decodes, prefills=prefills, layout=layout, device=device)
 
-    def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache, meta: TorchAttentionMetadata, scale: float, sinks=None):
         num_tokens, num_heads, head_dim = q.shape
         num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape   # [blocks, K|V, block, heads, dim]
         # Write this step's keys and values: one token's K is one row of the cache seen as
@@ -229,10 +234,11 @@ class TorchAttentionBackend(AttentionBackend):
             if (d.kernel is not None and q.dtype == kv_cache.dtype == torch.float32
                     and paged_attention.pages_contiguous(kv_cache)):
                 table, rows, seq_lens, window = d.kernel
-                paged_attention.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out)
+                paged_attention.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out,
+                                             sinks)
             elif q.dtype == kv_cache.dtype and q.dtype in _SPARSE_DTYPES and contiguous:
                 # (the sparse path sees the whole cache as rows: contiguous caches only)
-                self._decode(q, kv_cache, d, scale, out)
+                self._decode(q, kv_cache, d, scale, out, sinks)
             else:   # no sparse kernel for this dtype or layout: the padded path, planned once per step
                 if d.fallback is None:
                     d.fallback = _make_part(meta.layout, d.rows, meta.device)
@@ -241,17 +247,17 @@ class TorchAttentionBackend(AttentionBackend):
         if p is not None:
             if (q.dtype == kv_cache.dtype == torch.float32 and paged_attention.pages_contiguous(kv_cache)
                     and head_dim <= 256):
-                paged_attention.paged_prefill(q, kv_cache, *p.kernel, scale, out)
+                paged_attention.paged_prefill(q, kv_cache, *p.kernel, scale, out, sinks)
             else:   # planned once per step, by the first layer that needs it
                 if p.fallback is None:
                     p.fallback = _make_part(meta.layout, p.rows, meta.device)
                 parts = [*parts, p.fallback]
         for part in parts:
-            self._padded(q, kv_cache, part, scale, out)
+            self._padded(q, kv_cache, part, scale, out, sinks)
         return out
 
     @staticmethod
-    def _decode(q, kv_cache, d: _Decodes, scale: float, out: torch.Tensor) -> None:
+    def _decode(q, kv_cache, d: _Decodes, scale: float, out: torch.Tensor, sinks=None) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
         rows = kv_cache.view(-1, head_dim)
@@ -266,12 +272,18 @@ class TorchAttentionBackend(AttentionBackend):
         # cheaper than segment reductions over the ragged scores.
         grid = torch.full((n * num_heads * pat.max_keys,), float("-inf"), dtype=scores.dtype, device=q.device)
         grid.index_copy_(0, pat.dense_pos, scores)
-        weights = grid.view(n * num_heads, -1).softmax(dim=-1).view(-1).index_select(0, pat.dense_pos)
+        grid = grid.view(n * num_heads, -1)
+        if sinks is None:
+            weights = grid.softmax(dim=-1)
+        else:   # row i * H + h gets head h's sink as one more logit, dropped after the softmax
+            sink_col = sinks.to(grid.dtype).repeat(n)[:, None]
+            weights = (grid - torch.cat([grid, sink_col], dim=1).logsumexp(dim=-1, keepdim=True)).exp()
+        weights = weights.view(-1).index_select(0, pat.dense_pos)
         o = F.embedding_bag(pat.value_rows, rows, pat.offsets, mode="sum", per_sample_weights=weights)
         out.index_copy_(0, d.token_index, o.view(n, num_heads, head_dim).to(out.dtype))
 
     @staticmethod
-    def _padded(q, kv_cache, part: _Part, scale: float, out: torch.Tensor) -> None:
+    def _padded(q, kv_cache, part: _Part, scale: float, out: torch.Tensor, sinks=None) -> None:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_blocks, _, block_size, num_kv_heads, _ = kv_cache.shape
         n, max_q = part.token_index.shape
@@ -282,8 +294,13 @@ class TorchAttentionBackend(AttentionBackend):
         keys = pages[:, 0].index_select(0, part.pages).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         values = pages[:, 1].index_select(0, part.pages).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         queries = q[part.token_index].transpose(1, 2)          # [n, heads, max_q, dim]
-        o = F.scaled_dot_product_attention(queries, keys.to(q.dtype), values.to(q.dtype),
-                                           attn_mask=part.mask, scale=scale,
+        keys, values, mask = keys.to(q.dtype), values.to(q.dtype), part.mask
+        if sinks is not None:   # one more key: zero vector and value, score = the head's sink via the mask
+            keys, values = (F.pad(x, (0, 0, 0, 1)) for x in (keys, values))
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            sink = sinks.to(q.dtype).view(1, -1, 1, 1).expand(n, num_heads, max_q, 1)
+            mask = torch.cat([bias.expand(n, num_heads, max_q, -1), sink], dim=-1)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale,
                                            enable_gqa=num_heads != num_kv_heads)
         o = o.transpose(1, 2)                                  # [n, max_q, heads, dim]
         if part.valid is None:

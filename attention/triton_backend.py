@@ -54,14 +54,14 @@ class TritonAttentionBackend(AttentionBackend):
             decode_req=views[2], decode_q=views[3], prefill_req=views[4], prefill_q=views[5],
             sliding_window=layout.sliding_window)
 
-    def forward(self, q, k, v, kv_cache, meta: TritonAttentionMetadata, scale: float):
+    def forward(self, q, k, v, kv_cache, meta: TritonAttentionMetadata, scale: float, sinks=None):
         if q.shape[1] % kv_cache.shape[3]:
             raise ValueError(f"triton backend: {q.shape[1]} query heads do not divide into "
                              f"{kv_cache.shape[3]} kv heads")
         tk.write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         common = (out, q, kv_cache, meta.block_table, meta.query_start_loc, meta.seq_lens)
-        tk.paged_attention(*common, meta.decode_req, meta.decode_q, 1, scale, meta.sliding_window)
+        tk.paged_attention(*common, meta.decode_req, meta.decode_q, 1, scale, meta.sliding_window, sinks)
         tk.paged_attention(*common, meta.prefill_req, meta.prefill_q, tk.PREFILL_BLOCK_Q, scale,
-                           meta.sliding_window)
+                           meta.sliding_window, sinks)
         return out

@@ -13,6 +13,8 @@ anything (even smaller than the 16 rows ``tl.dot`` needs). The loop runs only ov
 range the tile can see: from the window start of its first query (sliding layers skip pages
 wholly outside the window, which may already point at the null block) to its last query's
 own position (causal tiles skip the future). Softmax is online in fp32 with ``exp2``.
+Attention sinks (gpt-oss: a learned logit per query head in the denominator, with no value)
+start a row's running max at its sink and its running sum at 1.
 
 Where kernels run: on CUDA tensors they are compiled; on CPU tensors they run under Triton's
 interpreter. The interpreter is chosen per launch, not by a process-wide ``TRITON_INTERPRET``
@@ -70,14 +72,14 @@ def _write_kv(k_ptr, v_ptr, cache_ptr, slot_ptr, num_tokens,
 
 
 def _paged_attention(out_ptr, q_ptr, cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-                     tile_req_ptr, tile_q_ptr, scale_log2e, window,
+                     tile_req_ptr, tile_q_ptr, sinks_ptr, scale_log2e, window,
                      stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
                      stride_cb, stride_ckv, stride_cs, stride_ch, stride_cd, stride_bt,
                      block_size, head_dim,
                      QPK: tl.constexpr, GROUP: tl.constexpr, CHUNKS: tl.constexpr,
                      BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_PAD: tl.constexpr,
                      TILE: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                     DOT_PREC: tl.constexpr):
+                     DOT_PREC: tl.constexpr, HAS_SINKS: tl.constexpr):
     """Program (tile, c): queries tile_q[tile] ... + BLOCK_Q of request tile_req[tile], query
     heads GROUP at a time: chunk c % CHUNKS of kv head c // CHUNKS (QPK query heads per kv
     head). Row r of the [BLOCK_M, HEAD_PAD] tile is token r // GROUP, head r % GROUP."""
@@ -109,6 +111,10 @@ def _paged_attention(out_ptr, q_ptr, cache_ptr, block_table_ptr, query_start_loc
         lo = tl.maximum(first_pos + q_off - window + 1, 0)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.full([BLOCK_M], 0.0, tl.float32)
+    if HAS_SINKS:   # the sink as a first key with no value: max = sink (log2 units), sum = 1
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=float("-inf")).to(tl.float32)
+        m = tl.where(row_ok, sink * 1.4426950408889634, m)
+        l_sum = tl.where(row_ok, 1.0, l_sum)
     acc = tl.full([BLOCK_M, HEAD_PAD], 0.0, tl.float32)
     n = tl.arange(0, TILE)
     for start in range(lo // TILE * TILE, hi, TILE):
@@ -182,9 +188,11 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
 
 def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, tile_req: torch.Tensor,
-                    tile_q: torch.Tensor, block_q: int, scale: float, window: int | None) -> None:
+                    tile_q: torch.Tensor, block_q: int, scale: float, window: int | None,
+                    sinks: torch.Tensor | None = None) -> None:
     """out[queries of tile i] = attention of request tile_req[i]'s queries tile_q[i] ...
-    tile_q[i] + block_q - 1 over its pages; one launch for all tiles of one tile size."""
+    tile_q[i] + block_q - 1 over its pages; one launch for all tiles of one tile size.
+    sinks: None or `[num_heads]` logits joining each row's softmax denominator."""
     num_tiles = tile_req.numel()
     if num_tiles == 0:
         return
@@ -195,13 +203,16 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, 
     chunks = triton.cdiv(qpk, group)
     block_m = max(_MIN_DOT, block_q * group)
     interpret = _interpret(kv_cache)
+    if sinks is not None:
+        sinks = sinks.detach().to(device=q.device, dtype=torch.float32).contiguous()
     _kernel(_paged_attention, interpret)[(num_tiles, num_kv_heads * chunks)](
         out, q, kv_cache, block_table, query_start_loc, seq_lens, tile_req, tile_q,
-        scale * math.log2(math.e), window or 0, *q.stride(), *out.stride(), *kv_cache.stride(),
+        q if sinks is None else sinks, scale * math.log2(math.e), window or 0, *q.stride(), *out.stride(), *kv_cache.stride(),
         block_table.stride(0), kv_cache.shape[2], head_dim,
         QPK=qpk, GROUP=group, CHUNKS=chunks, BLOCK_Q=block_q, BLOCK_M=block_m,
         HEAD_PAD=max(_MIN_DOT, _pow2(head_dim)), TILE=TILE_N, USE_WINDOW=bool(window),
-        DOT_DTYPE=_dot_dtype(q.dtype, interpret), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32")
+        DOT_DTYPE=_dot_dtype(q.dtype, interpret), DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None)
 
 
 def _gated_delta_step(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, out_ptr, new_state_ptr,

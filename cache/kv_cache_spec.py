@@ -170,3 +170,26 @@ class KVCacheConfig:
         if isinstance(group.spec, StateSpec):
             return group.spec.pages * self.bytes_per_block, len(group.layer_ids) * group.spec.state_bytes
         return self.bytes_per_block, len(group.layer_ids) * group.spec.page_size_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class MLASpec(KVCacheSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi): per token only the compressed
+    latent (`kv_lora_rank`, after its norm) and the shared roped key part (`rope_dim`), one
+    `[kv_lora_rank + rope_dim]` row for all heads; keys and values are never expanded in the
+    cache. Retention and prefix caching are those of full attention (all blocks kept)."""
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def entry_dim(self) -> int:
+        return self.kv_lora_rank + self.rope_dim
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.entry_dim * self.dtype.itemsize
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        """The layer's view of its pool buffer: `[num_blocks, block_size, latent | k_pe]`."""
+        return (num_blocks, self.block_size, self.entry_dim)

@@ -10,7 +10,7 @@ can see, state layers one fixed set of pages per request (plus checkpoint copies
 from __future__ import annotations
 
 from cache.block_pool import BlockPool, KVCacheBlock
-from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, SlidingWindowSpec, StateSpec
+from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLASpec, SlidingWindowSpec, StateSpec
 
 
 class SingleTypeKVCacheManager:
@@ -233,6 +233,7 @@ class StateManager(SingleTypeKVCacheManager):
 
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
+    MLASpec: FullAttentionManager,        # the latent of every token, all blocks kept
     SlidingWindowSpec: SlidingWindowManager,
     StateSpec: StateManager,
 }

@@ -13,6 +13,10 @@ All three read a layer's cache `[blocks, 2, block_size, kv_heads, head_dim]` thr
 stride: each page must be contiguous (`pages_contiguous`), but pages may lie further apart than
 one page, as they do when the pool packs several small-page layers into one pool page
 (cache/pool_layout.py; the layer's cache is then a strided view of the shared buffer).
+
+Both attention kernels take optional attention sinks (gpt-oss): one float32 logit per query
+head that joins the softmax denominator as a key with no value (the online softmax starts
+from max = sink, sum = 1).
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ def pages_contiguous(kv_cache: torch.Tensor) -> bool:
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
                  token_index: torch.Tensor, seq_lens: torch.Tensor, window: int | None, scale: float,
-                 out: torch.Tensor) -> None:
+                 out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
     """Decode attention written into `out[token_index]`.
 
     q, out: float32 `[num_tokens, heads, head_dim]` (any strides, last dim contiguous);
@@ -43,17 +47,18 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     pages (any block stride);
     block_table: int32 `[num_reqs, max_blocks]`; rows, token_index, seq_lens: int64 `[n]`
     (block table row, query token and context length incl. the new token of each decode);
-    window: sliding window (keys at positions > seq_len - 1 - window) or None.
+    window: sliding window (keys at positions > seq_len - 1 - window) or None;
+    sinks: None or `[heads]` sink logits (any float dtype; used as float32).
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
     torch.ops.zooinfer_cpu.paged_decode(q, kv_cache, block_table, rows, token_index, seq_lens,
-                                        0 if window is None else int(window), float(scale), out)
+                                        0 if window is None else int(window), float(scale), _f32(sinks), out)
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, rows: torch.Tensor,
                   query_start: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, window: int | None,
-                  scale: float, out: torch.Tensor) -> None:
+                  scale: float, out: torch.Tensor, sinks: torch.Tensor | None = None) -> None:
     """Causal attention of several query tokens per request, written into `out` at their rows.
 
     q, out: float32 `[num_tokens, heads, head_dim]` (any strides, last dim contiguous; head_dim
@@ -62,12 +67,17 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     `[num_reqs, max_blocks]`; rows, query_start, query_lens, seq_lens: int64 `[n]` (block table
     row, first query token, number of query tokens and context length after this step of each
     request). Request i's queries sit at positions seq_len - query_len ... seq_len - 1 and see
-    the keys at positions <= their own (and > their own - window when window is set).
+    the keys at positions <= their own (and > their own - window when window is set); sinks
+    as for `paged_decode`.
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
     torch.ops.zooinfer_cpu.paged_prefill(q, kv_cache, block_table, rows, query_start, query_lens, seq_lens,
-                                         0 if window is None else int(window), float(scale), out)
+                                         0 if window is None else int(window), float(scale), _f32(sinks), out)
+
+
+def _f32(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    return None if sinks is None else sinks.detach().to(torch.float32).contiguous()
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:

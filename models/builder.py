@@ -109,8 +109,11 @@ class CausalLM(nn.Module):
             if ffn == "moe":
                 src.update(moe_sources(s, ours + "mlp.", hf + (name("moe") + "." if name("moe") else "")))
             elif ffn == "mlp":
-                gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
-                src.update(linear_sources(ours + "mlp.gate_up_proj", hf, gate_up, m.bias))
+                if m.gated:
+                    gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
+                    src.update(linear_sources(ours + "mlp.gate_up_proj", hf, gate_up, m.bias))
+                else:
+                    src.update(linear_sources(ours + "mlp.up_proj", hf, [(name("up"), 0, I)], m.bias))
                 src.update(linear_sources(ours + "mlp.down_proj", hf, [(name("down"), 0, s.hidden_size)], m.bias))
             for kind_name in s.layer_mixers(i):
                 kind = KINDS[kind_name]

@@ -22,10 +22,12 @@ from models.spec import DTYPES, ModelSpec, SpecError, mixers_of, spec_from_dict,
 # kind present reads its own (`LayerKind.import_hf`). Traits:
 #   qk_norm, qkv_bias, offset_norm (norms multiply by 1 + w), gemma (Gemma norms, scales),
 #   layer_types ({HF layer type: our kind} spellings beyond the kinds' own), non_attn_layers
-#   (the kind of layers not in `attn_layer_indices`), weight_names (checkpoint names that
-#   differ from Llama's), moe (MoE fields config.json does not spell out: scoring, selection
-#   bias, expert activation, style; see `moe_from_hf`), adjust (fn(cfg, spec dict): a family's
-#   own config fields).
+#   (the kind of layers not in `attn_layer_indices`), every_layer (the kind of every layer,
+#   for a family whose config does not list them), ffn_types ({HF layer type: mlp | moe |
+#   none}: the feed-forward block follows the layer type; unlisted types have none),
+#   weight_names (checkpoint names that differ from Llama's), moe (MoE fields config.json
+#   does not spell out: scoring, selection bias, expert activation, style; see
+#   `moe_from_hf`), adjust (fn(cfg, spec dict): a family's own config fields).
 # A model_type not listed here is read with no traits: a family built only of mechanisms
 # the zoo has loads as it is; a config field naming a mechanism we lack fails in one line.
 _FAMILIES: dict[str, dict] = {}
@@ -95,6 +97,65 @@ def _kimi_linear(cfg: dict, spec: dict) -> None:
     spec["max_model_len"] = int(cfg.get("model_max_length") or spec["max_model_len"])
 
 
+def _nemotron_h(cfg: dict, spec: dict) -> None:
+    """Nemotron-H: attention without rope or biases, a non-gated MLP (relu2), its Mamba2's
+    projection biases under `use_bias` and dt clamped from below at `time_step_min`; the MoE
+    section only when a block is MoE (E)."""
+    spec["rope"]["type"] = "none"
+    spec["attention"]["bias"] = spec["attention"]["o_bias"] = False
+    act = cfg.get("mlp_hidden_act", "relu2")     # an unknown one fails as mlp.activation
+    spec["mlp"].update(activation=HF_NAMES.get(act, act), gated=False)
+    if "mamba2" in spec:
+        spec["mamba2"]["proj_bias"] = bool(cfg.get("use_bias", False))
+        spec["mamba2"]["time_step_limit"] = [float(cfg.get("time_step_min", 0.0)), float("inf")]
+    if "moe" not in spec["layers"]["ffn"]:      # n_routed_experts has a default: no E block, no section
+        spec.pop("moe", None)
+    elif "moe" in spec:                         # the shared expert and latent projections take mlp_bias
+        spec["moe"]["dense_bias"] = spec["mlp"]["bias"]
+
+
+def _falcon_h1(cfg: dict, spec: dict) -> None:
+    """Falcon-H1's muP multipliers: embeddings and logits scaled at run time, every other
+    multiplier folded into the weights it multiplies (`weight_scales`), which is exact for
+    linear maps: the attention input (q, k, v), keys, the attention and SSM outputs, the SSM
+    input and its in_proj segments (gate | x | B | C | dt), the MLP gate and down projections."""
+    spec["embedding_multiplier"] = float(cfg.get("embedding_multiplier", 1.0))
+    spec["logits_scaling"] = 1.0 / float(cfg.get("lm_head_multiplier", 1.0))
+    a, mlp, m = spec["attention"], spec["mlp"], spec["mamba2"]
+    attn_in, key = float(cfg.get("attention_in_multiplier", 1.0)), float(cfg.get("key_multiplier", 1.0))
+    attn_out = float(cfg.get("attention_out_multiplier", 1.0))
+    ssm_in, ssm_out = float(cfg.get("ssm_in_multiplier", 1.0)), float(cfg.get("ssm_out_multiplier", 1.0))
+    gate_m, down_m = (float(x) for x in cfg.get("mlp_multipliers") or (1.0, 1.0))
+    inter, gn = m["num_heads"] * m["head_dim"], m["n_groups"] * m["state_size"]
+    segments = list(zip((inter, inter, gn, gn, m["num_heads"]), cfg.get("ssm_multipliers") or [1.0] * 5))
+    # (tensor, scale, has a bias, does the bias take the scale: an output multiplier scales it)
+    scales = [("self_attn.q_proj", attn_in, a["bias"], None), ("self_attn.v_proj", attn_in, a["bias"], None),
+              ("self_attn.k_proj", attn_in * key, a["bias"], key), ("self_attn.o_proj", attn_out, a["o_bias"], attn_out),
+              ("mamba.out_proj", ssm_out, bool(m["out_proj_bias"] if m["out_proj_bias"] is not None
+                                                else m["proj_bias"]), ssm_out),
+              ("feed_forward.gate_proj", gate_m, mlp["bias"], gate_m),
+              ("feed_forward.down_proj", down_m, mlp["bias"], down_m)]
+    out: dict = {}
+    for name, scale, bias, bias_scale in scales:
+        if scale != 1.0:
+            out[name + ".weight"] = scale
+        if bias and bias_scale is not None and bias_scale != 1.0:
+            out[name + ".bias"] = bias_scale
+    if any(v != 1.0 for _, v in segments) or ssm_in != 1.0:
+        out["mamba.in_proj.weight"] = [[n, float(v) * ssm_in] for n, v in segments]
+        if m["proj_bias"]:
+            out["mamba.in_proj.bias"] = [[n, float(v)] for n, v in segments]
+    spec["weight_scales"] = out
+
+
+def _deepseek_mla(cfg: dict, spec: dict) -> None:
+    """DeepSeek-V2/V3: MLA in every layer (its `mla:` section from the kind's reader; the MoE
+    and which layers are dense, first_k_dense_replace, come from the general MoE reader)."""
+    spec["layers"].pop("kinds", None)
+    spec["layers"]["pattern"] = ["mla"]
+    KINDS["mla"].import_hf(cfg, spec)
+
+
 family("llama")
 family("mistral")
 family("qwen2", qkv_bias=True)
@@ -124,6 +185,39 @@ family("kimi_linear", layer_types={"linear_attention": "kda", "full_attention": 
        weight_names={"moe": "block_sparse_moe", "moe_shared": "shared_experts", "moe_expert_gate": "w1",
                      "moe_expert_up": "w3", "moe_expert_down": "w2"},
        adjust=_kimi_linear)
+
+
+# Nemotron-H: each layer is one of Mamba2, attention, MLP or MoE (hybrid_override_pattern
+# M * - E), normed by `norm` and held under `mixer`; checkpoints keep `backbone.` names. Its
+# MoE is DeepSeek-V3's router (sigmoid, selection bias, groups) over non-gated relu2 experts.
+family("nemotron_h", layer_types={"linear_attention": "mamba2", "mlp": "none", "moe": "none"},
+       ffn_types={"mlp": "mlp", "moe": "moe"},
+       weight_names={"embed": "backbone.embeddings.weight", "final_norm": "backbone.norm_f.weight",
+                     "layer": "backbone.layers.{i}.",
+                     "input_norm": "norm.weight", "post_attn_norm": "norm.weight", "mamba2": "mixer",
+                     "q": "mixer.q_proj", "k": "mixer.k_proj", "v": "mixer.v_proj", "o": "mixer.o_proj",
+                     "up": "mixer.up_proj", "down": "mixer.down_proj", "moe": "mixer",
+                     "moe_shared": "shared_experts"},
+       moe={"scoring": "sigmoid", "selection_bias": True, "router_fp32": True, "gated": False},
+       adjust=_nemotron_h)
+# Falcon-H1: attention and Mamba2 in parallel in every layer, then an MLP; muP multipliers.
+family("falcon_h1", every_layer="full_attention+mamba2",
+       weight_names={"final_norm": "model.final_layernorm.weight", "post_attn_norm": "pre_ff_layernorm.weight",
+                     "gate": "feed_forward.gate_proj", "up": "feed_forward.up_proj",
+                     "down": "feed_forward.down_proj"},
+       adjust=_falcon_h1)
+# DeepSeek-V3: multi-head latent attention (mla) everywhere; dense MLPs for the first
+# first_k_dense_replace layers, then a sigmoid-scored, group-limited MoE (selection bias,
+# float32 router) with an ungated shared expert.
+family("deepseek_v3", moe={"scoring": "sigmoid", "selection_bias": True, "router_fp32": True,
+                           "shared_expert_gate": False},
+       weight_names={"moe_shared": "shared_experts"}, adjust=_deepseek_mla)
+# DeepSeek-V2: the same attention (its complex-number rope rotates the same interleaved pairs);
+# a softmax top-k MoE that never renormalises (V2-Lite's greedy routing; group_limited_greedy
+# configs are refused by name), float32 router, ungated shared experts.
+family("deepseek_v2", moe={"router_fp32": True, "shared_expert_gate": False, "norm_topk_prob": False,
+                           "n_group": 1, "topk_group": 1},
+       weight_names={"moe_shared": "shared_experts"}, adjust=_deepseek_mla)
 
 
 def lfm2_intermediate_size(cfg: dict) -> int:
@@ -177,6 +271,17 @@ def _olmo_hybrid(cfg: dict, spec: dict) -> None:
 family("olmo_hybrid", adjust=_olmo_hybrid,
        weight_names={"input_norm": "attention_layer_norm.weight", "post_attn_norm": "feedforward_layer_norm.weight"})
 
+
+def _gpt_oss(cfg: dict, spec: dict) -> None:
+    """gpt-oss: a learned sink logit per attention head (`self_attn.sinks`)."""
+    spec["attention"]["sinks"] = True
+
+
+# gpt-oss: sliding (window 128) / full layers from layer_types, q/k/v/o biases, attention
+# sinks, yarn rope; MoE of clamped-SwiGLU experts with biases, top-k-then-softmax router.
+family("gpt_oss", adjust=_gpt_oss, weight_names={"moe_router": "router"},
+       moe={"scoring": "topk_softmax", "router_bias": True, "expert_bias": True, "activation": "swiglu_clamped",
+            "expert_layout": "fused_transposed", "gate_up_interleaved": True})
 
 # Config fields that name a mechanism the zoo does not have: a value other than the listed
 # harmless ones fails, naming the field.
@@ -254,25 +359,43 @@ def _rope(cfg: dict, params: dict | None = None) -> dict:
     prf = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     if prf is not None:
         rope["partial_rotary_factor"] = float(prf)
-    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        if key in params:
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings",
+                "beta_fast", "beta_slow", "truncate", "attention_factor", "mscale", "mscale_all_dim"):
+        if params.get(key) is not None:
             rope[key] = params[key]
+    if rope["type"] == "yarn" and "factor" not in rope and "original_max_position_embeddings" in rope:
+        rope["factor"] = cfg["max_position_embeddings"] / rope["original_max_position_embeddings"]   # as HF
     return rope
+
+
+def _hf_layer_types(cfg: dict) -> list[str]:
+    """The config's per-layer type list: `layer_types`, or `layers_block_type` (Nemotron-H,
+    whose `hybrid_override_pattern` transformers expands into it)."""
+    return list(cfg.get("layer_types") or cfg.get("layers_block_type") or [])
+
+
+def _num_layers(cfg: dict) -> int:
+    """num_hidden_layers, or the length of the layer type list (Nemotron-H has no count)."""
+    if cfg.get("num_hidden_layers") is None and _hf_layer_types(cfg):
+        return len(_hf_layer_types(cfg))
+    return cfg["num_hidden_layers"]
 
 
 def _layer_kinds(cfg: dict, traits: dict, where: Path) -> list[str]:
     """Our kind per layer: from attn_layer_indices (Bamba), else from `layer_types` (the
     family's own spellings first, then each kind's `hf_layer_types`), else all attention
     (sliding when the config has a window and no per-layer types, as Mistral)."""
-    num_layers = cfg["num_hidden_layers"]
+    num_layers = _num_layers(cfg)
+    if traits.get("every_layer"):
+        return [traits["every_layer"]] * num_layers
     if traits.get("non_attn_layers"):
         attn = set(cfg.get("attn_layer_indices") or [])
         return ["full_attention" if i in attn else traits["non_attn_layers"] for i in range(num_layers)]
     aliases = traits.get("layer_types", {})
-    kinds = [aliases.get(t) or from_hf_layer_type(t) for t in cfg.get("layer_types") or []]
+    kinds = [aliases.get(t) or from_hf_layer_type(t) for t in _hf_layer_types(cfg)]
     for i, kind in enumerate(kinds):
         if not all(k in KINDS for k in mixers_of(kind)):
-            raise SpecError(f"{where}: layer_types[{i}]: {cfg['layer_types'][i]!r} is not a layer kind we have "
+            raise SpecError(f"{where}: layer_types[{i}]: {_hf_layer_types(cfg)[i]!r} is not a layer kind we have "
                             f"(known: {', '.join(KINDS)})")
     if kinds:
         return kinds
@@ -327,7 +450,7 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
     attn_bias = bool(cfg.get("attention_bias", False))
     dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
     gemma = traits.get("gemma", False)
-    num_layers = cfg["num_hidden_layers"]
+    num_layers = _num_layers(cfg)
     spec = {
         "name": hf_dir.name,
         "vocab_size": cfg["vocab_size"],
@@ -358,6 +481,8 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
         "eos_token_ids": _eos(cfg, hf_dir),
         "checkpoint": {"source": "hf", "path": str(hf_dir.resolve())},
     }
+    if traits.get("ffn_types"):
+        spec["layers"]["ffn"] = [traits["ffn_types"].get(t, "none") for t in _hf_layer_types(cfg)]
     used = {k for entry in kinds for k in mixers_of(entry)}
     for kind in KINDS.values():     # each kind present reads its own fields (its section, a window)
         if kind.name in used:

@@ -58,15 +58,17 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm with a silu gate, in the two orders the HF state mixers use (the weight is
-    `weight`, ones at init, so HF state dicts load 1:1):
+    """RMSNorm with a silu (Kimi: sigmoid) gate, in the orders the HF state mixers use (the weight is
+    `weight`, ones at init, so HF state dicts load 1:1). Either order RMS-normalises each
+    group of `group_size` channels (None: all of them):
 
-    - `gate_first` (Mamba2 / Bamba `MambaRMSNormGated`): x * silu(gate), RMS-normalised over
-      each group of `group_size` channels (None: all of them), times weight; float32 out.
-    - otherwise (Qwen3-Next `Qwen3NextRMSNormGated`): RMS-normalised x times weight in x's
-      dtype, then times silu(gate); out in x's dtype;
-    - `sigmoid` (Kimi-Linear `KimiLinearRMSNormGated`): the same, all in float32 (weight
-      included) and times sigmoid(gate); out in x's dtype."""
+    - `gate_first` (Mamba2 / Bamba `MambaRMSNormGated`, Falcon-H1 with mamba_norm_before_gate
+      false): x * silu(gate), normalised, times weight; float32 out.
+    - otherwise (Qwen3-Next `Qwen3NextRMSNormGated`, Falcon-H1 `FalconH1RMSNormGated` with
+      mamba_norm_before_gate): normalised x times weight in x's dtype, then times silu(gate);
+      out in x's dtype;
+    - `sigmoid` (Kimi-Linear `KimiLinearRMSNormGated`): normalised x times weight, all in
+      float32, then times sigmoid(gate); out in x's dtype."""
 
     def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, gate_first: bool = False,
                  sigmoid: bool = False):
@@ -77,20 +79,19 @@ class GatedRMSNorm(nn.Module):
         self.gate_first = gate_first
         self.sigmoid = sigmoid
 
+    def _normalise(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        if self.group_size is not None:
+            x = x.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)).view(shape)
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.gate_first:
-            x = x.float() * F.silu(gate.float())
-            shape = x.shape
-            if self.group_size is not None:
-                x = x.view(*shape[:-1], shape[-1] // self.group_size, self.group_size)
-            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight.float() * x.view(shape)
+            return self.weight.float() * self._normalise(x.float() * F.silu(gate.float()))
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.sigmoid:
-            return (self.weight.float() * x * torch.sigmoid(gate.float())).to(dtype)
-        x = self.weight * x.to(dtype)
+            return (self.weight.float() * self._normalise(x.float()) * torch.sigmoid(gate.float())).to(dtype)
+        x = self.weight * self._normalise(x.float()).to(dtype)
         x = x * F.silu(gate.float())
         return x.to(dtype)
 
@@ -110,7 +111,50 @@ def rope_inv_freq(rope: RopeSpec, rotary_dim: int) -> torch.Tensor:
         blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         inv_freq = torch.where(medium, blended, scaled)
+    elif rope.type == "yarn":
+        inv_freq = _yarn_inv_freq(rope, rotary_dim, inv_freq)
     return inv_freq
+
+
+def _yarn_inv_freq(rope: RopeSpec, rotary_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN (arXiv 2309.00071, as transformers' `_compute_yarn_parameters`): dims that turn
+    more than `beta_fast` times over the original context keep their frequency (extrapolate),
+    dims that turn fewer than `beta_slow` times are slowed by `factor` (interpolate), and a
+    linear ramp over the dims in between blends the two."""
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+            / (2 * math.log(rope.theta))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001   # no singular ramp
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # HF's order of operations, so the tables are bit for bit its own: the interpolated
+    # frequency is 1 / (factor * base^(2i/d)), weighted by 1 - (1 - ramp).
+    keep = 1 - ramp
+    pos_freqs = rope.theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return 1.0 / (rope.factor * pos_freqs) * (1 - keep) + inv_freq * keep
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 m ln(factor) + 1 for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def rope_attention_factor(rope: RopeSpec) -> float:
+    """What cos and sin are scaled by (so q.k by its square): YaRN's attention temperature,
+    1 for the other rope types. Unset, it is 0.1 ln(factor) + 1, or with DeepSeek's `mscale`
+    and `mscale_all_dim` the ratio of that formula at the two."""
+    if rope.type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
 
 
 class RotaryEmbedding(nn.Module):
@@ -128,6 +172,9 @@ class RotaryEmbedding(nn.Module):
     def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = rope_inv_freq(self.rope, self.rotary_dim)
         freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        scale = rope_attention_factor(self.rope)
+        if scale != 1.0:
+            return freqs.cos() * scale, freqs.sin() * scale
         return freqs.cos(), freqs.sin()
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -150,7 +197,10 @@ class RotaryEmbedding(nn.Module):
 
 class Attention(nn.Module):
     """Full or sliding-window attention (the window lives in the layer's KV cache group,
-    which the backend plans per step; the layer itself only picks its rope)."""
+    which the backend plans per step; the layer itself only picks its rope). With
+    `attention.sinks` (gpt-oss) each head has a learned logit `sinks[h]` that joins the
+    softmax denominator as a key with no value, so a query may attend to "nothing"; every
+    backend takes it through the attention op."""
 
     def __init__(self, spec: ModelSpec, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
@@ -169,6 +219,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(q_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.k_norm = RMSNorm(k_dim, spec.norm.eps, spec.norm.offset) if a.qk_norm else None
         self.rotary = rotary
+        self.sinks = nn.Parameter(torch.zeros(a.num_heads)) if a.sinks else None
         self.scale = a.scale if a.scale is not None else (a.query_pre_attn_scalar or a.head_dim) ** -0.5
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
@@ -186,7 +237,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.qk_norm_all_heads:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention_op()(q, k, v, kv_cache, self.layer_id, self.scale)   # v: a strided view; backends take it
+        o = paged_attention_op()(q, k, v, kv_cache, self.layer_id, self.scale, self.sinks)   # v: a strided view; backends take it
         o = o.view(-1, self.q_size)
         if gate is not None:
             o = o * torch.sigmoid(gate)
@@ -194,18 +245,25 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(gate(x)) * up(x))."""
+    """SwiGLU (silu) or GeGLU (gelu_tanh): down(act(gate(x)) * up(x)); with `mlp.gated` false
+    the plain MLP down(act(up(x))) (Nemotron-H: relu2), which has `up_proj` and no gate."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         m = spec.mlp
         self.intermediate_size = m.intermediate_size
-        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * m.intermediate_size, bias=m.bias)
+        self.gated = m.gated
+        if m.gated:
+            self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * m.intermediate_size, bias=m.bias)
+        else:
+            self.up_proj = nn.Linear(spec.hidden_size, m.intermediate_size, bias=m.bias)
         self.down_proj = nn.Linear(m.intermediate_size, spec.hidden_size, bias=m.bias)
         self.act = ACTIVATIONS[m.activation]
         self.activation = m.activation if m.activation in fused.ACTIVATIONS else None   # has a fused kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))
         gate_up = self.gate_up_proj(x)
         if self.activation is not None and fused.use_kernel(gate_up):
             return self.down_proj(fused.act_mul(gate_up, self.activation))

@@ -3,11 +3,13 @@
 Only safetensors are read (never pickle). Tensors are opened one at a time with
 `safe_open`, copied into their (possibly fused) parameter slice and dropped, so peak memory
 is the model plus one tensor. Every shape is checked against the spec, and missing or
-unexpected tensors are reported by name in one line.
+unexpected tensors are reported by name in one line. Constant multipliers a family applies to a
+projection's input or output (`weight_scales`) are folded into the loaded weights.
 """
 from __future__ import annotations
 
 import json
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -170,6 +172,41 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
 
 
 @torch.no_grad()
+def fold_weight_scales(model: CausalLM) -> None:
+    """Multiply the loaded (or seeded) parameters by the spec's `weight_scales` (constant multipliers a
+    family applies to a projection's input or output, Falcon-H1's muP factors): the rows a
+    named checkpoint tensor filled are scaled, as a whole or per [rows, scale] segment. A key
+    matches a tensor name exactly or, relative to the per-layer prefix, in every layer; a key
+    that matches no tensor of the spec is an error (a typo would silently do nothing)."""
+    spec = model.spec
+    if not spec.weight_scales:
+        return
+    head, _, tail = spec.weight_name("layer").partition("{i}")
+    layer = re.compile(re.escape(head) + r"\d+" + re.escape(tail))
+    params = dict(model.named_parameters())
+    used: set[str] = set()
+    for param_name, parts in model.weight_sources().items():
+        for ckpt_name, offset, rows, *_ in parts:
+            key = ckpt_name
+            if key not in spec.weight_scales and (m := layer.match(ckpt_name)):
+                key = ckpt_name[m.end():]
+            if key not in spec.weight_scales:
+                continue
+            used.add(key)
+            scale, target = spec.weight_scales[key], params[param_name][offset: offset + rows]
+            if isinstance(scale, list):
+                if sum(n for n, _ in scale) != rows:
+                    raise WeightError(f"{spec.source_file or spec.name}: weight_scales.{key}: segments cover "
+                                      f"{sum(n for n, _ in scale)} rows, tensor '{ckpt_name}' has {rows}")
+                scale = torch.cat([torch.full((n,), float(v)) for n, v in scale]).view(-1, *[1] * (target.dim() - 1))
+            target.copy_(target.float() * scale)
+    unused = sorted(set(spec.weight_scales) - used)
+    if unused:
+        raise WeightError(f"{spec.source_file or spec.name}: weight_scales: no checkpoint tensor of the spec "
+                          f"is named {_fmt(unused)}")
+
+
+@torch.no_grad()
 def init_dummy(model: CausalLM, seed: int, std: float) -> None:
     """Seeded random weights: normal(0, std) for matrices, 1 (or 0 for offset norms) for
     norm weights, zero biases. Same seed, same weights, on any machine."""
@@ -191,3 +228,4 @@ def load_weights(model: CausalLM, spec: ModelSpec) -> None:
         init_dummy(model, spec.checkpoint.seed, spec.checkpoint.init_std)
     else:
         load_safetensors(model, path)
+    fold_weight_scales(model)

@@ -152,15 +152,24 @@ class Mamba2Mixer(nn.Module):
 
     Parameters (names as HF's BambaMixer): in_proj [I + conv_dim + H, hidden] (+bias if
     use_bias; output split gate | xBC | dt), conv1d.weight [conv_dim, 1, K] (+conv1d.bias
-    [conv_dim] if use_conv_bias), dt_bias [H], A_log [H], D [H], norm.weight [I],
-    out_proj [hidden, I] (+bias if use_bias); I = intermediate_size = H * head_dim.
+    [conv_dim] if use_conv_bias), dt_bias [H], A_log [H], D [H], norm.weight [I] (unless
+    gated_norm is "none"), out_proj [hidden, I] (+bias if out_bias, default use_bias);
+    I = intermediate_size = H * head_dim.
+
+    gated_norm: how the output is gated by silu(gate) before out_proj. "gate_then_norm"
+    (Mamba2, Bamba, Nemotron-H): RMS-normalise y * silu(gate) per group of I / n_groups
+    channels; "norm_then_gate" (Falcon-H1 with mamba_norm_before_gate): normalise y per group,
+    then gate; "none" (Falcon-H1 with mamba_rms_norm false): y * silu(gate), no norm weight.
     """
+
+    GATED_NORMS = ("gate_then_norm", "norm_then_gate", "none")
 
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, state_size: int,
                  n_groups: int = 1, conv_kernel: int = 4, intermediate_size: int | None = None,
                  chunk_size: int = 256, use_conv_bias: bool = True, use_bias: bool = False,
                  rms_norm_eps: float = 1e-6, activation: str = "silu",
-                 time_step_limit: tuple[float, float] | None = (0.0, float("inf"))):
+                 time_step_limit: tuple[float, float] | None = (0.0, float("inf")),
+                 gated_norm: str = "gate_then_norm", out_bias: bool | None = None):
         super().__init__()
         inter = num_heads * head_dim if intermediate_size is None else intermediate_size
         if inter != num_heads * head_dim:
@@ -171,6 +180,8 @@ class Mamba2Mixer(nn.Module):
             raise ValueError("conv_kernel must be >= 2")
         if activation not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {activation!r}")
+        if gated_norm not in self.GATED_NORMS:
+            raise ValueError(f"gated_norm {gated_norm!r} is not one of {', '.join(self.GATED_NORMS)}")
         self.hidden_size, self.num_heads, self.head_dim = hidden_size, num_heads, head_dim
         self.state_size, self.n_groups, self.conv_kernel = state_size, n_groups, conv_kernel
         self.intermediate_size, self.chunk_size = inter, chunk_size
@@ -183,9 +194,10 @@ class Mamba2Mixer(nn.Module):
                                 padding=conv_kernel - 1, bias=use_conv_bias)
         self.dt_bias = nn.Parameter(torch.ones(num_heads))
         self.A_log = nn.Parameter(torch.log(torch.arange(1, num_heads + 1, dtype=torch.float32)))
-        self.norm = GatedRMSNorm(inter, rms_norm_eps, group_size=inter // n_groups, gate_first=True)
+        self.norm = None if gated_norm == "none" else GatedRMSNorm(
+            inter, rms_norm_eps, group_size=inter // n_groups, gate_first=gated_norm == "gate_then_norm")
         self.D = nn.Parameter(torch.ones(num_heads))
-        self.out_proj = nn.Linear(inter, hidden_size, bias=use_bias)
+        self.out_proj = nn.Linear(inter, hidden_size, bias=use_bias if out_bias is None else out_bias)
 
     @classmethod
     def from_hf_config(cls, config) -> "Mamba2Mixer":
@@ -237,7 +249,8 @@ class Mamba2Mixer(nn.Module):
         return gate, xbc, dt, A
 
     def _finish(self, y: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        out = self.norm(y.view(-1, self.intermediate_size), gate)
+        y = y.view(-1, self.intermediate_size)
+        out = y * F.silu(gate.float()) if self.norm is None else self.norm(y, gate)
         return self.out_proj(out.to(dtype))
 
     def _mix(self, xbc, dt, A, conv_state, ssm_state, meta: StateMetadata,

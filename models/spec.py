@@ -29,7 +29,7 @@ from models.moe_spec import MoESpec, validate_moe   # the `moe:` section (re-exp
 # A spec's `dtype` name -> the torch dtype the builder and the engine use.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CHECKPOINT_SOURCES = ("hf", "embedded", "dummy")
-ROPE_TYPES = ("default", "linear", "llama3", "none")   # none: no positional rotation (Granite 4.0-H)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "none")   # none: no positional rotation (Granite 4.0-H)
 
 
 class SpecError(ValueError):
@@ -49,6 +49,8 @@ class AttentionSpec:
     sliding_window: int | None = None          # W for sliding_attention layers
     query_pre_attn_scalar: float | None = None  # Gemma: scores scaled by this**-0.5, not head_dim**-0.5
     qk_norm_all_heads: bool = False   # OLMo 2/3: the q/k norms span the whole projection, not each head
+    sinks: bool = False         # gpt-oss: a learned logit per head joins the softmax denominator
+                                # (a virtual key with no value), loaded from `self_attn.sinks`
 
 
 @dataclass(slots=True)
@@ -56,6 +58,7 @@ class MLPSpec:
     intermediate_size: int
     activation: str = "silu"   # silu -> SwiGLU, gelu_tanh -> GeGLU
     bias: bool = False
+    gated: bool = True         # false: down(act(up(x))), no gate_proj (Nemotron-H's relu2 MLP)
 
 
 @dataclass(slots=True)
@@ -74,6 +77,12 @@ class RopeSpec:
     low_freq_factor: float = 1.0          # llama3 scaling
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0               # yarn: the ramp between extrapolated and interpolated dims
+    beta_slow: float = 1.0
+    truncate: bool = True                 # yarn: round the ramp's ends to whole dims
+    attention_factor: float | None = None  # yarn: cos/sin scale (None: 0.1 ln(factor) + 1, or the mscale ratio)
+    mscale: float | None = None           # yarn (DeepSeek): attention_factor = mscale(factor, mscale) /
+    mscale_all_dim: float | None = None   #   mscale(factor, mscale_all_dim) when both are set
 
 
 FFN_KINDS = ("mlp", "moe", "none")
@@ -192,6 +201,10 @@ class ModelSpec:
     eos_token_ids: list = field(default_factory=list)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     weight_names: dict = field(default_factory=dict)
+    # Constant factors folded into checkpoint tensors as they load (Falcon-H1's muP multipliers):
+    # tensor name (full, or relative to `layer` for every layer) -> a scale, or [[rows, scale], ...]
+    # per row segment (a fused projection whose parts have their own multipliers).
+    weight_scales: dict = field(default_factory=dict)
     tokenizer: str | None = None   # directory; defaults to the checkpoint directory
     tool_parser: str | None = None  # how the server finds tool calls in this model's text (e.g. hermes)
     source_file: str = ""          # set by the loader; never read from YAML
@@ -384,10 +397,22 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail(f"weight_names.{key}", f"unknown weight key; known: {', '.join(DEFAULT_WEIGHT_NAMES)}")
         if not isinstance(value, str):
             fail(f"weight_names.{key}", "expected a string")
+    for key, value in spec.weight_scales.items():
+        if not _is_scale(value):
+            fail(f"weight_scales.{key}", f"expected a number or a list of [rows, scale] pairs, got {value!r}")
     if not all(isinstance(t, int) for t in spec.eos_token_ids):
         fail("eos_token_ids", "expected a list of token ids")
 
 
+def _is_scale(value: Any) -> bool:
+    """A `weight_scales` value: a number, or [[rows > 0, number], ...]."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+    if number(value):
+        return True
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+        and p[0] > 0 and number(p[1]) for p in value)
 
 
 def _merge(base: dict, over: dict) -> dict:

@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from runtime.engine import Engine
 from runtime.metrics import ServerMetrics
 from runtime.outputs import RequestOutput
@@ -58,6 +59,10 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="zooinfer-engine", daemon=True)
+        # Beam searches (runtime/beam_search.py) driven between steps on the engine thread:
+        # request id -> (first beam, its group, the asyncio future waiting for the result).
+        self._beam = BeamSearch(engine)
+        self._searches: dict[str, tuple] = {}
 
     # ------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -131,6 +136,44 @@ class AsyncEngine:
                 self._commands.put(("abort", [stream.sample_ids[i] for i in open_samples]))
                 self._wake.set()
 
+    async def beam_search(self, prompt, params: BeamSearchParams, request_id: str) -> BeamSearchOutput:
+        """Run one beam search on the engine thread; a bad request raises ValueError, a
+        cancelled call (client gone) stops the search and frees its beams."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("beam", (prompt, params, request_id, future, loop)))
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._commands.put(("beam_abort", request_id))
+            self._wake.set()
+            raise
+
+    def _start_search(self, prompt, params, request_id, future, loop) -> None:
+        try:
+            req, group = self._beam.prepare(prompt, params)
+            self._beam.add(req, group)
+        except ValueError as e:
+            loop.call_soon_threadsafe(future.set_exception, e)
+            return
+        self._searches[request_id] = (req, group, future, loop)
+
+    def _advance_searches(self) -> None:
+        self._beam.after_step()
+        for rid, (req, group, future, loop) in list(self._searches.items()):
+            if group.done:
+                del self._searches[rid]
+                out = self._beam.output(req, group)
+                loop.call_soon_threadsafe(lambda f=future, o=out: f.done() or f.set_result(o))
+
+    def _stop_search(self, request_id: str) -> None:
+        entry = self._searches.pop(request_id, None)
+        if entry is not None:
+            self._beam.cancel_group(entry[1])
+
     # ------------------------------------------------------------- engine thread
     def _run(self) -> None:
         engine = self.engine
@@ -142,6 +185,8 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = engine.step()
+                if self._searches:
+                    self._advance_searches()
                 now = time.monotonic()
                 for out in outputs:
                     self._deliver(out, now)
@@ -153,6 +198,9 @@ class AsyncEngine:
             self.error = e
             for stream in list(self._streams.values()):
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, e)
+            for _, _, future, loop in self._searches.values():
+                dead = EngineDeadError(f"engine failed: {e!r}")
+                loop.call_soon_threadsafe(lambda f=future, x=dead: f.done() or f.set_exception(x))
 
     def _drain_commands(self) -> None:
         engine = self.engine
@@ -163,9 +211,15 @@ class AsyncEngine:
                 return
             if kind == "add":
                 self._add(*arg)
+            elif kind == "beam":
+                self._start_search(*arg)
+            elif kind == "beam_abort":
+                self._stop_search(arg)
             elif kind == "abort":
                 engine.abort(arg)
             elif kind == "abort_all":
+                for rid in list(self._searches):
+                    self._stop_search(rid)
                 live = list(engine.scheduler.requests)
                 engine.abort(live)
         if self.metrics is not None:

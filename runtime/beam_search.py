@@ -184,6 +184,11 @@ class BeamSearch:
 
     def step(self) -> None:
         self.engine.step()
+        self.after_step()
+
+    def after_step(self) -> None:
+        """Take the step's proposals and advance every search whose round is complete (the
+        async engine calls this after each of its own steps)."""
         complete: dict[int, BeamSearchGroup] = {}
         for beam_id, top in self.engine.take_proposals().items():
             group = self.groups.get(beam_id)
@@ -216,6 +221,14 @@ class BeamSearch:
         for beam_id in ended:
             del self.groups[beam_id]
         self.engine.abort(ended)
+
+    def cancel_group(self, group: BeamSearchGroup) -> None:
+        """Stop one search and free its beams."""
+        beams = [b for b, g in self.groups.items() if g is group]
+        group.cancel()
+        for b in beams:
+            del self.groups[b]
+        self.engine.abort(beams)
 
     def cancel(self) -> None:
         """Stop every search and free every beam."""

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 from runtime.limits import ParamError, check_text
+from runtime.beam_search import BeamSearchParams
 from runtime.sampling_params import SamplingParams
 from runtime.structured_outputs import StructuredOutputsParams
 
@@ -34,7 +35,7 @@ def _text_format(v) -> bool:
 # test for its no-op value. Set to anything else they are refused, never ignored.
 _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
     "prompt_logprobs": _unset,
-    "use_beam_search": _unset, "length_penalty": _is(1, 1.0), "truncate_prompt_tokens": _unset,
+    "truncate_prompt_tokens": _unset,
     "guided_decoding_backend": _unset, "logits_processors": _unset,
     "spaces_between_special_tokens": _is(True),
 }
@@ -87,6 +88,8 @@ class _Common(_Strict):
     bad_words: list[str] | None = None  # extension
     priority: int = 0                   # extension: lower first, with --scheduling-policy priority
     return_tokens_as_token_ids: bool = False   # extension: logprob tokens spelled "token_id:<id>"
+    use_beam_search: bool = False       # extension: n beams (runtime/beam_search.py), best first
+    length_penalty: float = 1.0         # extension: beam score = cum logprob / len ** length_penalty
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* spellings; at most one of them (runtime/structured_outputs.py).
     response_format: dict[str, Any] | None = None
@@ -110,6 +113,28 @@ class _Common(_Strict):
             self.stream_options.check_extras()
             if not self.stream:
                 raise ParamError("stream_options: only allowed when stream is true", "stream_options")
+
+    def beam_params(self, max_tokens: int | None) -> BeamSearchParams:
+        """With use_beam_search: n beams; every sampling option must be left unset (a beam is
+        ranked by log-probability, so sampling knobs have no meaning)."""
+        for name in ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
+                     "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            if getattr(self, name) not in (None, [], {}, {"type": "text"}):
+                raise ParamError(f"{name}: not supported with use_beam_search", name)
+        if self.temperature not in (None, 0):
+            raise ParamError("temperature: beam search ranks by log-probability; leave it unset or 0", "temperature")
+        if self.stream:
+            raise ParamError("stream: not supported with use_beam_search", "stream")
+        if max_tokens is None:
+            raise ParamError("max_tokens: beam search needs a limit", "max_tokens")
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                    length_penalty=self.length_penalty)
+        except ValueError as e:
+            name = "n" if "beam_width" in str(e) else "max_tokens" if "max_tokens" in str(e) else "length_penalty"
+            raise ParamError(f"{name}: {str(e).split(': ', 1)[-1]}", name) from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The request's params (with its n), validated; sample i runs `sample_params(i)`."""

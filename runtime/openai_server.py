@@ -195,12 +195,41 @@ class OpenAIServer:
                                  for d in lps[start:]],
                 "text_offset": offsets}
 
+    async def beam(self, body, prompts: list, max_tokens: int | None, kind: str) -> dict:
+        """use_beam_search: each prompt's n best beams become its n choices."""
+        try:
+            body.check()
+            params = body.beam_params(max_tokens)
+        except ParamError as e:
+            raise bad_param(e) from None
+        base = uuid.uuid4().hex
+        try:
+            outs = await asyncio.gather(*(self.engine.beam_search(p, params, f"{base}-{i}")
+                                          for i, p in enumerate(prompts)))
+        except ValueError as e:
+            raise bad_param(e) from None
+        choices = []
+        for out in outs:
+            for seq in out.sequences:
+                body_ = {"text": seq.text} if kind == "text_completion" else \
+                    {"message": {"role": "assistant", "content": seq.text}}
+                choices.append({"index": len(choices), **body_, "logprobs": None,
+                                "finish_reason": "stop" if seq.finished_by_eos else "length"})
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+        done = sum(len(seq.tokens) for o in outs for seq in o.sequences)
+        prefix = "cmpl" if kind == "text_completion" else "chatcmpl"
+        return {"id": f"{prefix}-{base}", "object": kind, "created": int(time.time()), "model": self.model_name,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                                              "total_tokens": prompt_tokens + done}}
+
     async def completions(self, body: CompletionRequest, raw: Request):
         self.check_model(body.model)
         try:
             prompts = body.prompts()
         except ParamError as e:
             raise bad_param(e) from None
+        if body.use_beam_search:
+            return await self.beam(body, prompts, body.max_tokens, "text_completion")
         base, started = await self.start(prompts, body, body.max_tokens, body.logprobs)
         rid, created = f"cmpl-{base}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -255,6 +284,11 @@ class OpenAIServer:
                             for t, d in zip(out.outputs[0].token_ids[start:], lps[start:])]}
 
     async def chat(self, body: ChatCompletionRequest, raw: Request):
+        if body.use_beam_search:
+            prompt, _, mode = self.render_chat(body)
+            if mode not in (None, "none"):
+                raise APIError(400, "tools: not supported with use_beam_search", "tools")
+            return await self.beam(body, [prompt], body.output_limit, "chat.completion")
         base, started, mode = await self.start_chat(body)
         rid, created = f"chatcmpl-{base}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
@@ -271,6 +305,13 @@ class OpenAIServer:
     async def start_chat(self, body: ChatCompletionRequest):
         """Check a chat request, render it through the template (tools included) and enqueue
         it; returns (call id, started, tool mode). /v1/responses comes through here too."""
+        prompt, tools, mode = self.render_chat(body)
+        constraint = tool_calls.constraint(tools, mode) if mode else None
+        base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k, constraint)
+        return base, started, mode
+
+    def render_chat(self, body: ChatCompletionRequest):
+        """(prompt, tools, tool mode) of a chat request, checked and templated."""
         self.check_model(body.model)
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -291,10 +332,7 @@ class OpenAIServer:
         except Exception as e:  # noqa: BLE001 - template errors are the caller's messages
             raise APIError(400, f"chat template failed: {short_repr(str(e), 200)}", "messages") from None
         # The template already holds the special tokens: by default encode without adding more.
-        prompt = {"prompt": text, "add_special_tokens": body.add_special_tokens}
-        constraint = tool_calls.constraint(tools, mode) if mode else None
-        base, started = await self.start([prompt], body, body.output_limit, body.logprobs_k, constraint)
-        return base, started, mode
+        return {"prompt": text, "add_special_tokens": body.add_special_tokens}, tools, mode
 
     def parse_calls(self, out: RequestOutput, mode: str | None) -> tuple[str | None, list]:
         """(content, tool calls) of a finished output under its tool mode."""

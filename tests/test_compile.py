@@ -72,6 +72,10 @@ def _run(llm: LLM):
     "zoo/lfm2-small.yaml",                                                  # short_conv + attention
     pytest.param("zoo/smollm3-small.yaml", marks=pytest.mark.slow),         # rope + NoPE layers
     pytest.param("zoo/olmo-hybrid-small.yaml", marks=pytest.mark.slow),     # separate-proj DeltaNet, post norms
+    pytest.param("zoo/gpt-oss-small.yaml", marks=pytest.mark.slow),         # sliding/full + sinks, yarn, MoE
+    pytest.param("zoo/nemotron-h-small.yaml", marks=pytest.mark.slow),     # mixer-only + MLP-only layers
+    pytest.param("zoo/falcon-h1-small.yaml", marks=pytest.mark.slow),      # parallel attention + mamba2
+    pytest.param("zoo/deepseek-v3-small.yaml", marks=pytest.mark.slow),     # mla (latent cache) + MoE
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
     eager = LLM(spec, **ENGINE)

@@ -64,8 +64,9 @@ def _step(heads, kv_heads, dim, ctx, qlen, window, bs=16, seed=0):
     return layout, cache, q, k, v
 
 
-def _reference(layout, cache, q, scale):
-    """float64 attention of every query token over its visible keys, gathered position by position."""
+def _reference(layout, cache, q, scale, sinks=None):
+    """float64 attention of every query token over its visible keys, gathered position by position.
+    With `sinks` ([heads]) each head's sink logit joins the softmax denominator (a key with no value)."""
     bs, window = layout.block_size, layout.sliding_window
     table = layout.block_table.numpy()
     group = q.shape[1] // cache.shape[3]
@@ -79,7 +80,11 @@ def _reference(layout, cache, q, scale):
             blocks = torch.from_numpy(table[i, pos // bs].astype(np.int64))
             k = cache[blocks, 0, torch.from_numpy(pos % bs)].double().repeat_interleave(group, dim=1)
             v = cache[blocks, 1, torch.from_numpy(pos % bs)].double().repeat_interleave(group, dim=1)
-            w = (torch.einsum("hd,khd->hk", q[qsl[i] + j].double(), k) * scale).softmax(-1)
+            s = torch.einsum("hd,khd->hk", q[qsl[i] + j].double(), k) * scale
+            if sinks is None:
+                w = s.softmax(-1)
+            else:
+                w = torch.cat([s, sinks.double()[:, None]], dim=1).softmax(-1)[:, :-1]
             out[qsl[i] + j] = torch.einsum("hk,khd->hd", w, v)
     return out.float()
 

@@ -140,3 +140,23 @@ def test_logprob_details_and_continuous_usage(served):
     assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 7))
     streamed = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
     assert streamed == lp["text_offset"]
+
+
+def test_beam_search_over_http(served):
+    """use_beam_search: the n choices are the engine's n best beams, as LLM.beam_search gives."""
+    http, tok = served
+    from runtime import LLM
+    from runtime.beam_search import BeamSearchParams
+    r = _post(http, "completions", {"prompt": "Once upon a time", "n": 3, "use_beam_search": True, "max_tokens": 6,
+                                    "length_penalty": 0.5})
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    spec = tiny_chat_spec(__import__("pathlib").Path(__import__("tempfile").mkdtemp()))
+    ref = LLM(spec).beam_search("Once upon a time", BeamSearchParams(beam_width=3, max_tokens=6, length_penalty=0.5))
+    assert texts == [s.text for s in ref[0].sequences] and len(set(texts)) == 3
+    chat = _post(http, "chat/completions", {"messages": CHAT, "n": 2, "use_beam_search": True, "max_tokens": 4})
+    assert chat.status_code == 200 and len(chat.json()["choices"]) == 2
+    for bad, param in (({"stream": True}, "stream"), ({"temperature": 0.7}, "temperature"), ({"top_p": 0.5}, "top_p"),
+                       ({"n": 11}, "n")):
+        r = _post(http, "completions", {"prompt": "hi", "use_beam_search": True, "max_tokens": 3, **bad})
+        assert r.status_code == 400 and error_of(r)["param"] == param, r.text

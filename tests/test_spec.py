@@ -57,7 +57,7 @@ def _base() -> dict:
     (lambda d: d.update(hidden_size=0), "hidden_size: must be > 0, got 0"),
     (lambda d: d["checkpoint"].update(source="hf", path=None), "checkpoint.path: source 'hf' needs a path"),
     (lambda d: d.update(weight_names={"qq": "x"}), "weight_names.qq: unknown weight key"),
-    (lambda d: d["rope"].update(type="yarn"), "rope.type: 'yarn' is not one of"),
+    (lambda d: d["rope"].update(type="ntk"), "rope.type: 'ntk' is not one of"),
 ])
 def test_spec_errors_name_file_and_field(tmp_path, mutate, message):
     data = _base()
@@ -141,3 +141,35 @@ def test_cli_error_is_one_line(tmp_path):
     assert proc.stderr.strip() == f"error: {bad}: layers.pattern[0]: unknown layer kind 'ful' " \
                                   f"(did you mean 'full_attention'?)"
     assert "Traceback" not in proc.stderr
+
+
+MAMBA2 = {"num_heads": 4, "head_dim": 16, "state_size": 8}
+
+
+@pytest.mark.parametrize("layers, extra, message", [
+    ({"pattern": ["full_attention+mamba3"]}, {},
+     "layers.pattern[0]: unknown layer kind 'mamba3' (did you mean 'mamba2'?)"),
+    ({"pattern": ["full_attention+sliding_attention"]}, {},
+     "layers.pattern[0]: 'full_attention+sliding_attention': parallel mixers must be of different families "
+     "(two would share the layer attribute 'self_attn')"),
+    ({"pattern": ["full_attention", "none"], "ffn": ["mlp", "none"]}, {},
+     "layers.pattern: layer 1 has neither a token mixer nor a feed-forward block"),
+    ({"pattern": ["full_attention"], "ffn": ["mlp", "dense"]}, {},
+     "layers.ffn[1]: 'dense' is not one of mlp, moe, none"),
+    ({"pattern": ["none"], "ffn": ["moe"]}, {}, "layers.ffn: moe layers need a 'moe:' section"),
+    ({"pattern": ["mamba2"]}, {"mamba2": {**MAMBA2, "gated_norm": "after"}},
+     "mamba2.gated_norm: 'after' is not one of gate_then_norm, norm_then_gate, none"),
+    ({"pattern": ["mamba2"]}, {"mamba2": {**MAMBA2, "n_groups": 3}},
+     "mamba2.n_groups: num_heads 4 is not a multiple of n_groups 3"),
+    ({"pattern": ["full_attention"]}, {"weight_scales": {"self_attn.k_proj.weight": [[4, 0.5], [2]]}},
+     "weight_scales.self_attn.k_proj.weight: expected a number or a list of [rows, scale] pairs, "
+     "got [[4, 0.5], [2]]"),
+])
+def test_layer_structure_errors(tmp_path, layers, extra, message):
+    """Parallel mixers, mixer-less / FFN-less layers and their sections: one exact line each."""
+    data = {**_base(), **extra}
+    data["layers"] = {"num": 2, **layers}
+    path = _write(tmp_path, data)
+    with pytest.raises(SpecError) as e:
+        load_spec(path)
+    assert str(e.value) == f"{path}: {message}"

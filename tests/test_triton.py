@@ -144,7 +144,8 @@ def test_backend_is_registered():
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 23, 40)]
 
 
-@pytest.mark.parametrize("spec", ["zoo/smollm2-tiny.yaml", "zoo/mistral-sw-small.yaml"])
+@pytest.mark.parametrize("spec", ["zoo/smollm2-tiny.yaml", "zoo/mistral-sw-small.yaml",
+                                  "zoo/gpt-oss-small.yaml"])   # sliding/full layers with attention sinks
 def test_llm_greedy_matches_torch_backend(spec):
     """Whole engine, greedy: chunked prefill (16-token budget) mixes chunk continuations with
     decodes; mistral-sw-small's 24-token window frees pages of the 40-token prompt."""

@@ -12,17 +12,20 @@ from runtime import LLM, SamplingParams
 from tests.zoo_parity import assert_all_free, tight_pool_blocks
 
 NEW = 12
-# Kinds mixed, one entry per layer: sliding, parallel attention + Mamba2, DeltaNet, an
-# MLP-only layer, Mamba2 without an MLP, full attention, DeltaNet.
-KINDS = ["sliding_attention", "full_attention+mamba2", "gated_deltanet", "none", "mamba2", "full_attention",
-         "gated_deltanet"]
-FFN = ["mlp", "mlp", "moe", "mlp", "none", "moe", "mlp"]
+# Kinds mixed, one entry per layer, in an order no zoo file uses: sliding, parallel attention
+# + Mamba2, latent attention (MLA, a smaller page packed beside the others), DeltaNet, an
+# MLP-only layer, a short convolution and Mamba2 without MLPs, NoPE attention, MLA again.
+KINDS = ["sliding_attention", "full_attention+mamba2", "mla", "gated_deltanet", "none", "short_conv", "mamba2",
+         "full_attention_nope", "mla"]
+FFN = ["mlp", "mlp", "moe", "mlp", "mlp", "none", "none", "moe", "mlp"]
 SPEC = {
     "name": "yaml-hybrid", "vocab_size": 512, "hidden_size": 64,
     "layers": {"num": len(KINDS), "kinds": KINDS, "ffn": FFN},
     "attention": {"num_heads": 4, "num_kv_heads": 2, "head_dim": 16, "sliding_window": 20, "qk_norm": True},
     "mamba2": {"num_heads": 4, "head_dim": 16, "state_size": 16, "chunk_size": 8},
     "gated_deltanet": {"num_k_heads": 2, "num_v_heads": 4, "head_k_dim": 16, "head_v_dim": 16},
+    "mla": {"q_lora_rank": 24, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 16, "v_head_dim": 12},
+    "short_conv": {"kernel": 3},
     "mlp": {"intermediate_size": 96},
     "moe": {"num_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 32, "shared_expert_intermediate_size": 48},
     "max_model_len": 256, "checkpoint": {"source": "dummy", "init_std": 0.2, "seed": 3},
@@ -57,21 +60,29 @@ def recompute(spec_path):
 
 
 def test_layout(spec_path):
-    """7 mixers in cache-id order (the parallel layer has two, the MLP-only layer none), each
-    with its own cache; the layer with no FFN has no post-mixer norm."""
+    """One cache per mixer in cache-id order (the parallel layer has two, the MLP-only layer
+    none); the MLA group's smaller pages are packed beside the others; the layers with no FFN
+    have no post-mixer norm."""
     llm = LLM(spec_path)
     spec, model = llm.engine.spec, llm.engine.runner.model
-    assert spec.cache_layers() == [(0, "sliding_attention"), (1, "full_attention"), (1, "mamba2"),
-                                   (2, "gated_deltanet"), (4, "mamba2"), (5, "full_attention"), (6, "gated_deltanet")]
-    assert len(llm.engine.runner.kv_caches) == 7
-    assert sorted(model.state_mixers()) == [2, 3, 4, 6]
-    groups = {type(g.spec).__name__: [] for g in llm.engine.kv_manager.config.groups}
-    for g in llm.engine.kv_manager.config.groups:
-        groups[type(g.spec).__name__] += g.layer_ids
+    assert spec.cache_layers() == [(0, "sliding_attention"), (1, "full_attention"), (1, "mamba2"), (2, "mla"),
+                                   (3, "gated_deltanet"), (5, "short_conv"), (6, "mamba2"),
+                                   (7, "full_attention_nope"), (8, "mla")]
+    assert len(llm.engine.runner.kv_caches) == 9
+    assert sorted(model.state_mixers()) == [2, 4, 5, 6]
+    cfg = llm.engine.kv_manager.config
+    groups: dict[str, list[int]] = {}
+    for g in cfg.groups:
+        groups.setdefault(type(g.spec).__name__, []).extend(g.layer_ids)
     assert {k: sorted(v) for k, v in groups.items()} == {
-        "SlidingWindowSpec": [0], "FullAttentionSpec": [1, 5], "StateSpec": [2, 3, 4, 6]}
-    assert model.layers[3].mixer is None and model.layers[3].self_attn is None
-    assert model.layers[4].mlp is None and not hasattr(model.layers[4], "post_attention_layernorm")
+        "SlidingWindowSpec": [0], "FullAttentionSpec": [1, 7], "MLASpec": [3, 8], "StateSpec": [2, 4, 5, 6]}
+    mla = next(g for g in cfg.groups if type(g.spec).__name__ == "MLASpec")
+    assert mla.spec.page_size_bytes == 16 * (16 + 16) * 4 == cfg.page_size_bytes // 2
+    slots = cfg.group_slots(mla)                  # its two layers share one pool page
+    assert len({buf for buf, _ in slots}) == 1 and sorted(off for _, off in slots) == [0, mla.spec.page_size_bytes]
+    assert model.layers[4].mixer is None and model.layers[4].self_attn is None
+    for i in (5, 6):
+        assert model.layers[i].mlp is None and not hasattr(model.layers[i], "post_attention_layernorm")
 
 
 @pytest.mark.parametrize("engine", [

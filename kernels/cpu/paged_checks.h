@@ -1,7 +1,7 @@
 // Argument checks shared by the paged attention ops (paged_decode, paged_prefill, write_kv): CPU
 // float32 q / out [T, H, D] with a contiguous last dim, one layer's paged cache
 // [blocks, 2 (K|V), block_size, kv_heads, head_dim] whose pages are each contiguous, an int32
-// block table. Errors name the op.
+// block table, optional float32 sinks [heads]. Errors name the op.
 //
 // Pages need not be adjacent: when the pool packs several layers' pages into one pool page
 // (cache/pool_layout.py), a layer's cache is a view whose block stride is the pool page, not its
@@ -9,6 +9,8 @@
 #pragma once
 
 #include <ATen/ATen.h>
+
+#include <optional>
 
 namespace zooinfer_paged {
 
@@ -36,6 +38,15 @@ inline void check_common(const char* op, const at::Tensor& q, const at::Tensor& 
               kv_cache.sizes(), " strides ", kv_cache.strides());
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, op, ": q and out need a contiguous last dim");
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, op, ": int32 block_table");
+}
+
+// The optional per-query-head sink logits: nullptr when absent, else a contiguous CPU float32 [heads].
+inline const float* sinks_ptr(const char* op, const std::optional<at::Tensor>& sinks, int64_t heads) {
+  if (!sinks.has_value()) return nullptr;
+  const at::Tensor& t = *sinks;
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1 &&
+                  t.numel() == heads, op, ": sinks must be a contiguous CPU float32 [", heads, "], got ", t.sizes());
+  return t.data_ptr<float>();
 }
 
 }  // namespace zooinfer_paged

@@ -8,6 +8,8 @@
 // row they read. Softmax is online (running max and sum, rescaled once per page), so K and V
 // are each read exactly once, in one pass, with fp32 accumulation. Pages wholly below a
 // sliding window are never touched (their table slots may point at the null block).
+// Attention sinks (gpt-oss: a learned logit per query head in the softmax denominator, with
+// no value) are the running max and sum's starting point: max = sink, sum = exp(0) = 1.
 //
 // Registered as a plain dispatcher op (no pybind): the build includes only ATen and the op
 // library headers, which keeps the one-time JIT build short.
@@ -155,10 +157,11 @@ struct Shape {
 
 // Attention of decode `i` for kv heads [h0, h1) (query heads [h0 * group, h1 * group)).
 // `scratch` holds (h1 - h0) * group * (2 * dim + block_size + 10) floats.
+// `sinks`: nullptr, or one logit per query head.
 template <int64_t KD>
 void decode_one(const float* q, const float* cache, const int32_t* table, int64_t row, int64_t tok,
-                int64_t ctx, int64_t window, float scale, float* out, const Shape& s, int64_t h0,
-                int64_t h1, float* scratch) {
+                int64_t ctx, int64_t window, float scale, const float* sinks, float* out, const Shape& s,
+                int64_t h0, int64_t h1, float* scratch) {
   const int64_t nq = (h1 - h0) * s.group, D = KD > 0 ? KD : s.dim, B = s.block_size, G = s.group;
   const int64_t Bp = (B + 7) / 8 * 8;                 // score rows padded to whole vectors
   const int64_t token_stride = s.kv_heads * D;        // one token's row: every kv head
@@ -172,8 +175,8 @@ void decode_one(const float* q, const float* cache, const int32_t* table, int64_
     const float* src = q + tok * s.q_tok + (h0 * G + j) * s.q_head;
     for (int64_t d = 0; d < D; ++d) qs[j * D + d] = src[d] * scale;
     std::fill(acc + j * D, acc + (j + 1) * D, 0.f);
-    m[j] = -std::numeric_limits<float>::infinity();
-    l[j] = 0.f;
+    m[j] = sinks ? sinks[h0 * G + j] : -std::numeric_limits<float>::infinity();
+    l[j] = sinks ? 1.f : 0.f;   // the sink's own exp(sink - max)
   }
   const int64_t start = window > 0 ? std::max<int64_t>(ctx - window, 0) : 0;
   const int64_t last = (ctx - 1) / B;
@@ -239,8 +242,9 @@ void decode_one(const float* q, const float* cache, const int32_t* table, int64_
 // the last `window` of them when window > 0).
 void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                   const at::Tensor& rows, const at::Tensor& token_index, const at::Tensor& seq_lens,
-                  int64_t window, double scale, const at::Tensor& out) {
+                  int64_t window, double scale, const std::optional<at::Tensor>& sinks, const at::Tensor& out) {
   zooinfer_paged::check_common("paged_decode", q, kv_cache, block_table, out);
+  const float* sp = zooinfer_paged::sinks_ptr("paged_decode", sinks, q.size(1));
   TORCH_CHECK(rows.scalar_type() == at::kLong && token_index.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong && rows.is_contiguous() && token_index.is_contiguous() &&
                   seq_lens.is_contiguous(), "paged_decode: contiguous int64 rows, token_index, seq_lens");
@@ -299,7 +303,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     for (int64_t k = next.fetch_add(1); k < items; k = next.fetch_add(1)) {
       const int64_t item = order[k];
       const int64_t i = item / split, h0 = (item % split) * heads_per_item;
-      fn(qp, cp, bp, rp[i], tp[i], lp[i], window, sc, op, s, h0, h0 + heads_per_item, scratch.data());
+      fn(qp, cp, bp, rp[i], tp[i], lp[i], window, sc, sp, op, s, h0, h0 + heads_per_item, scratch.data());
     }
   });
 }
@@ -308,6 +312,6 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("paged_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor rows, Tensor token_index, "
-        "Tensor seq_lens, int window, float scale, Tensor(a!) out) -> ()");
+        "Tensor seq_lens, int window, float scale, Tensor? sinks, Tensor(a!) out) -> ()");
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
 }

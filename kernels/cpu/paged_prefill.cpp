@@ -17,7 +17,9 @@
 // slots may point at the null block). A work item is all tiles of one (request, kv head), so
 // later tiles find the keys in cache (split into runs only when there are too few items for
 // the threads); items are handed out longest first from an atomic counter, so two threads
-// stay balanced whatever the mix of chunk lengths.
+// stay balanced whatever the mix of chunk lengths. Attention sinks (a learned logit per query
+// head in the softmax denominator, with no value) start each row's running max at the sink
+// and its running sum at 1.
 //
 // Registered as a plain dispatcher op (no pybind), like paged_decode.cpp.
 #include <ATen/ATen.h>
@@ -104,6 +106,7 @@ struct Shape {
   int64_t bt_row, bt_col;                 // strides of the block table
   int64_t window;
   float scale;
+  const float* sinks;   // nullptr, or one logit per query head
 };
 
 // One tile: query tokens [t0, t1) (offsets in the request's chunk) of request `req`, against
@@ -188,8 +191,8 @@ void tile(const float* q, const float* cache, const int32_t* table, float* out, 
       for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * s.scale;
     }
     std::fill(o + r * DP, o + (r + 1) * DP, 0.f);
-    w.m[r] = ninf;
-    w.l[r] = 0.f;
+    w.m[r] = s.sinks ? s.sinks[h * G + rr % G] : ninf;
+    w.l[r] = s.sinks ? 1.f : 0.f;   // the sink's own exp(sink - max)
   }
   const int64_t kend = first + it.t1;   // keys at positions < kend (the last row's position + 1)
   const int64_t kstart = s.window > 0 ? std::max<int64_t>(first + it.t0 - s.window + 1, 0) : 0;
@@ -280,7 +283,8 @@ void tile(const float* q, const float* cache, const int32_t* table, float* out, 
 // Output rows of out at the same token indices; nothing else of out is written.
 void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                    const at::Tensor& rows, const at::Tensor& query_start, const at::Tensor& query_lens,
-                   const at::Tensor& seq_lens, int64_t window, double scale, const at::Tensor& out) {
+                   const at::Tensor& seq_lens, int64_t window, double scale, const std::optional<at::Tensor>& sinks,
+                   const at::Tensor& out) {
   zooinfer_paged::check_common("paged_prefill", q, kv_cache, block_table, out);
   for (const at::Tensor* t : {&rows, &query_start, &query_lens, &seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
@@ -306,6 +310,7 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   s.bt_col = block_table.stride(1);
   s.window = window;
   s.scale = static_cast<float>(scale);
+  s.sinks = zooinfer_paged::sinks_ptr("paged_prefill", sinks, s.heads);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* qsp = query_start.data_ptr<int64_t>();
   const int64_t* qlp = query_lens.data_ptr<int64_t>();
@@ -365,6 +370,6 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("paged_prefill(Tensor q, Tensor kv_cache, Tensor block_table, Tensor rows, Tensor query_start, "
-        "Tensor query_lens, Tensor seq_lens, int window, float scale, Tensor(a!) out) -> ()");
+        "Tensor query_lens, Tensor seq_lens, int window, float scale, Tensor? sinks, Tensor(a!) out) -> ()");
   m.impl("paged_prefill", c10::DispatchKey::CPU, TORCH_FN(paged_prefill));
 }

@@ -24,6 +24,7 @@ WEIGHT_NAMES = {
     "o": "self_attn.o_proj",
     "q_norm": "self_attn.q_norm.weight",
     "k_norm": "self_attn.k_norm.weight",
+    "sinks": "self_attn.sinks",
 }
 
 
@@ -44,7 +45,7 @@ def forward(mixer: nn.Module, layer_id: int, positions: torch.Tensor, hidden: to
 
 def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sources:
     """q, k, v stacked into qkv_proj (q doubled with Qwen3-Next's output gate), o_proj, and
-    the q/k norms (per head, or over all heads) when the spec has them."""
+    the q/k norms (per head, or over all heads) and the per-head sink logits when the spec has them."""
     a, name = spec.attention, spec.weight_name
     q, kv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
     qr = q * (2 if a.output_gate else 1)
@@ -55,6 +56,8 @@ def weight_sources(spec: ModelSpec, mixer: nn.Module, ours: str, hf: str) -> Sou
         q_dim, k_dim = (q, kv) if a.qk_norm_all_heads else (a.head_dim, a.head_dim)
         src[ours + "q_norm.weight"] = [(hf + name("q_norm"), 0, q_dim)]
         src[ours + "k_norm.weight"] = [(hf + name("k_norm"), 0, k_dim)]
+    if a.sinks:
+        src[ours + "sinks"] = [(hf + name("sinks"), 0, a.num_heads)]
     return src
 
 

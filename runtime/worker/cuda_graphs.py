@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from attention import BatchLayout, ForwardContext, set_forward_context
-from cache.kv_cache_spec import StateSpec
+from cache.kv_cache_spec import MLASpec, StateSpec
 from runtime.worker.step_plan import StepBatch, plan_layers
 
 log = logging.getLogger("zooinfer")
@@ -94,6 +94,8 @@ def unsupported_reason(device: torch.device, backend, kv_config) -> str | None:
                 f"(attention_backend='flashinfer'), got '{backend.name}'")
     if any(isinstance(g.spec, StateSpec) for g in kv_config.groups):
         return "cuda_graphs=True does not support state layers (mamba2, gated_deltanet) yet"
+    if any(isinstance(g.spec, MLASpec) for g in kv_config.groups):
+        return "cuda_graphs=True does not support mla layers yet"
     return None
 
 

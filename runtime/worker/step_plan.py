@@ -15,8 +15,9 @@ import numpy as np
 import torch
 
 from attention import BatchLayout
+from attention.mla import MLAPlan
 from attention.state import StatePlan
-from cache.kv_cache_spec import KVCacheConfig, StateSpec
+from cache.kv_cache_spec import KVCacheConfig, MLASpec, StateSpec
 
 
 @dataclass(slots=True)
@@ -50,7 +51,7 @@ def plan_layers(kv_config: KVCacheConfig, batch: StepBatch, plan_kv: PlanKV,
                 device: torch.device) -> list:
     """Per-layer metadata for one step: each group planned once, shared by its layers.
     `plan_kv` plans an attention group (the backend's `plan`, or a CUDA graph's static
-    metadata); state groups get a StatePlan."""
+    metadata); state groups get a StatePlan, MLA groups an MLAPlan."""
     layer_meta: list = [None] * len(kv_config.layer_to_group())
     num_sched = np.diff(batch.query_start_loc)
     for gid, group in enumerate(kv_config.groups):
@@ -59,10 +60,12 @@ def plan_layers(kv_config: KVCacheConfig, batch: StepBatch, plan_kv: PlanKV,
             meta = StatePlan.build(num_sched.tolist(), (batch.num_computed > 0).tolist(),
                                    table[:, :spec.pages], device, spec.dtype)
         else:
-            meta = plan_kv(gid, BatchLayout(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
-                                            block_table=table, slot_mapping=batch.slot_mappings[gid],
-                                            block_size=kv_config.block_size,
-                                            sliding_window=getattr(spec, "sliding_window", None)))
+            layout = BatchLayout(query_start_loc=batch.query_start_loc, seq_lens=batch.seq_lens,
+                                 block_table=table, slot_mapping=batch.slot_mappings[gid],
+                                 block_size=kv_config.block_size,
+                                 sliding_window=getattr(spec, "sliding_window", None))
+            # MLA groups attend in their own op (attention/mla.py), whatever the backend.
+            meta = MLAPlan.build(layout, device) if isinstance(spec, MLASpec) else plan_kv(gid, layout)
         for layer in group.layer_ids:
             layer_meta[layer] = meta
     return layer_meta
