@@ -76,6 +76,7 @@ def _run(llm: LLM):
     pytest.param("zoo/nemotron-h-small.yaml", marks=pytest.mark.slow),     # mixer-only + MLP-only layers
     pytest.param("zoo/falcon-h1-small.yaml", marks=pytest.mark.slow),      # parallel attention + mamba2
     pytest.param("zoo/deepseek-v3-small.yaml", marks=pytest.mark.slow),     # mla (latent cache) + MoE
+    pytest.param("zoo/kimi-linear-small.yaml", marks=pytest.mark.slow),     # kda + mla (no rope) + MoE
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
     eager = LLM(spec, **ENGINE)
