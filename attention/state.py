@@ -81,3 +81,30 @@ class StatePlan:
     def scatter(self, pages: torch.Tensor, rows: torch.Tensor) -> None:
         """Write a buffer from `gather` back to the same pool pages."""
         pages.index_copy_(0, self.pages, rows.view(-1, pages.shape[1]))
+
+
+def run_by_request(meta: StateMetadata, make_out: Callable[[], torch.Tensor],
+                   decode: Callable[[Any, Any], torch.Tensor],
+                   prefill: Callable[[int, int, int], torch.Tensor]) -> torch.Tensor:
+    """A state layer's step split the way its kernels want it:
+
+    - an all-decode step is one vectorised `decode(tokens, requests)` with both slices whole;
+    - otherwise, written into `make_out()` ([num_tokens, ...] zeros: padding tokens stay 0),
+      the step's single-token requests still go in one `decode(token index, request index)`
+      call (int64 tensors), and each multi-token request (a prefill chunk) in
+      `prefill(start, end, request)` over its tokens start:end.
+
+    Gated DeltaNet and lightning attention share this so only their math differs."""
+    if meta.all_decode:
+        return decode(slice(None), slice(None))
+    out = make_out()
+    qsl, device = meta.query_start_loc, out.device
+    singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
+    if singles:
+        req = torch.tensor(singles, dtype=torch.long).to(device, non_blocking=True)
+        tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(device, non_blocking=True)
+        out[tok] = decode(tok, req)
+    for i in range(meta.num_reqs):
+        if qsl[i + 1] - qsl[i] > 1:
+            out[qsl[i]:qsl[i + 1]] = prefill(qsl[i], qsl[i + 1], i)
+    return out

@@ -24,7 +24,8 @@ each multi-token request (a prefill chunk) runs the layer's chunked delta rule (
 to 64 tokens) from its stored state; its final states are written back to its slot.
 
 Parameter names and shapes equal HF's `Qwen3NextGatedDeltaNet`, so its state_dict loads 1:1.
-`SeparateGatedDeltaNet` is OLMo-Hybrid's variant: other input projections, the same rest.
+`SeparateGatedDeltaNet` (OLMo-Hybrid) and `Qwen3_5GatedDeltaNet` (Qwen3.5) take their input
+projections from other checkpoint tensors; the rest is the same.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::state_update, used by forward_paged)
-from attention.state import StateMetadata
+from attention.state import StateMetadata, run_by_request
 from models.activations import activation
 from models.causal_conv import ConvPlan, conv_step, conv_varlen, step_conv_plan
 from models.layers import GatedRMSNorm
@@ -206,20 +207,12 @@ class DeltaRuleMixer(nn.Module):
         conv_plan = conv_plan or ConvPlan.build(meta, self.conv_kernel_size)
         conv_out = conv_varlen(mixed_qkv, conv_state, meta, conv_plan, self.conv1d.weight[:, 0])
         conv_out = self.act(conv_out).to(mixed_qkv.dtype)
-        core = torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device)
-        qsl = meta.query_start_loc
-        singles = [i for i in range(meta.num_reqs) if qsl[i + 1] - qsl[i] == 1]
-        if singles:  # decodes of a mixed step: one vectorised recurrent step
-            req = torch.tensor(singles, dtype=torch.long).to(device, non_blocking=True)
-            tok = torch.tensor([qsl[i] for i in singles], dtype=torch.long).to(device, non_blocking=True)
-            core[tok] = self._recurrent_step(conv_out[tok], [x[tok] for x in gates], recurrent_state,
-                                             meta.slots[req], meta.has_initial_state[req])
-        for i in range(meta.num_reqs):
-            s, e = qsl[i], qsl[i + 1]
-            if e - s > 1:
-                core[s:e] = self._prefill_one(conv_out[s:e], [x[s:e] for x in gates], recurrent_state,
-                                              meta.slots[i:i + 1], meta.has_initial_state[i:i + 1])
-        return core
+        return run_by_request(
+            meta, lambda: torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device),
+            lambda tok, req: self._recurrent_step(conv_out[tok], [x[tok] for x in gates], recurrent_state,
+                                                  meta.slots[req], meta.has_initial_state[req]),
+            lambda s, e, i: self._prefill_one(conv_out[s:e], [x[s:e] for x in gates], recurrent_state,
+                                              meta.slots[i:i + 1], meta.has_initial_state[i:i + 1]))
 
 
 class GatedDeltaNet(DeltaRuleMixer):
@@ -349,3 +342,21 @@ class SeparateGatedDeltaNet(GatedDeltaNet):
         T, Hv = hidden.shape[0], self.num_v_heads
         mixed_qkv, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.value_dim, Hv, Hv], dim=-1)
         return mixed_qkv, z.reshape(T, Hv, self.head_v_dim), b, a
+
+
+class Qwen3_5GatedDeltaNet(SeparateGatedDeltaNet):
+    """Qwen3.5's Gated DeltaNet (HF `Qwen3_5GatedDeltaNet`): Qwen3-Next's math with the input
+    projections split per part and head-major, in_proj_qkv (q|k|v, already the conv's channel
+    order), in_proj_z, in_proj_b and in_proj_a, stacked into the one fused `in_proj` of
+    `SeparateGatedDeltaNet`; conv1d, dt_bias, A_log, norm and out_proj keep HF's names."""
+
+    def checkpoint_sources(self) -> dict[str, list[tuple[str, int, int]]]:
+        src = GatedDeltaNet.checkpoint_sources(self)
+        rows = {"in_proj_qkv": self.conv_dim, "in_proj_z": self.value_dim,
+                "in_proj_b": self.num_v_heads, "in_proj_a": self.num_v_heads}
+        parts, offset = [], 0
+        for name, n in rows.items():
+            parts.append((f"{name}.weight", offset, n))
+            offset += n
+        src["in_proj.weight"] = parts
+        return src

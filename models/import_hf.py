@@ -15,7 +15,7 @@ import yaml
 
 from models.activations import HF_NAMES
 from models.kinds import KINDS, from_hf_layer_type
-from models.spec import DTYPES, ModelSpec, SpecError, mixers_of, spec_from_dict, spec_to_dict
+from models.spec import DEFAULT_WEIGHT_NAMES, DTYPES, ModelSpec, SpecError, mixers_of, spec_from_dict, spec_to_dict
 
 # model_type -> what config.json does not spell out for that family. Every other field is
 # read by name, the same way for every family (`spec_dict_from_hf_config`), and each layer
@@ -97,6 +97,25 @@ def _kimi_linear(cfg: dict, spec: dict) -> None:
     spec["max_model_len"] = int(cfg.get("model_max_length") or spec["max_model_len"])
 
 
+def _qwen3_5(cfg: dict, spec: dict) -> None:
+    """Qwen3.5: Qwen3-Next's adjustments; its checkpoint splits in_proj_qkvz / in_proj_ba and
+    carries multi-token-prediction layers (mtp.*), which we do not run."""
+    _qwen3_next(cfg, spec)
+    spec["checkpoint"]["ignore"] = ["mtp."]
+    if "gated_deltanet" in spec:
+        spec["gated_deltanet"]["layout"] = "qwen3_5"
+
+
+def _minimax(cfg: dict, spec: dict) -> None:
+    """MiniMax-Text-01: normed-input residuals scaled per sub-block (x = alpha * norm(x) + beta *
+    f(norm(x))); HF's rope turns the whole head (a partial_rotary_factor is not read)."""
+    used = set(spec["layers"].get("kinds") or spec["layers"]["pattern"])
+    subs = {"full_attention": "full_attn", "lightning_attention": "linear_attn", "mlp": "mlp"}
+    spec["residual"] = {p: {k: float(cfg.get(f"{v}_{p}_factor", 1.0)) for k, v in subs.items()
+                            if k in used or k == "mlp"} for p in ("alpha", "beta")}
+    spec["rope"].pop("partial_rotary_factor", None)
+
+
 def _nemotron_h(cfg: dict, spec: dict) -> None:
     """Nemotron-H: attention without rope or biases, a non-gated MLP (relu2), its Mamba2's
     projection biases under `use_bias` and dt clamped from below at `time_step_min`; the MoE
@@ -174,6 +193,10 @@ family("bamba", non_attn_layers="mamba2",
 # Qwen3-Next: gated DeltaNet layers, every n-th layer gated full attention, MoE MLPs,
 # (1 + w) norms, partial rotary.
 family("qwen3_next", qk_norm=True, offset_norm=True, adjust=_qwen3_next)
+# Qwen3.5 text models (dense and MoE): Qwen3-Next's mechanisms, the DeltaNet input projections
+# stored split per part; the text rope's mrope sections are plain rope for text-only positions.
+family("qwen3_5_text", qk_norm=True, offset_norm=True, adjust=_qwen3_5)
+family("qwen3_5_moe_text", qk_norm=True, offset_norm=True, moe={}, adjust=_qwen3_5)
 # Granite-4.0-H: mamba2 + attention layers, MoE or dense shared MLP, muP-style multipliers;
 # block_sparse_moe / shared_mlp sit on the layer.
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
@@ -185,6 +208,12 @@ family("kimi_linear", layer_types={"linear_attention": "kda", "full_attention": 
        weight_names={"moe": "block_sparse_moe", "moe_shared": "shared_experts", "moe_expert_gate": "w1",
                      "moe_expert_up": "w3", "moe_expert_down": "w2"},
        adjust=_kimi_linear)
+
+# MiniMax-Text-01: lightning attention (HF's `linear_attention`) with every n-th layer softmax
+# attention, Mixtral-style MoE (w1 / w3 / w2 experts under block_sparse_moe), normed-input residuals.
+family("minimax", layer_types={"linear_attention": "lightning_attention"}, moe={},
+       weight_names={"moe": "block_sparse_moe", "moe_expert_gate": "w1", "moe_expert_up": "w3",
+                     "moe_expert_down": "w2"}, adjust=_minimax)
 
 
 # Nemotron-H: each layer is one of Mamba2, attention, MLP or MoE (hybrid_override_pattern
@@ -467,7 +496,9 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
             "sliding_window": None,     # the sliding_attention kind's importer sets it
             "query_pre_attn_scalar": cfg.get("query_pre_attn_scalar") if gemma else None,
         },
-        "mlp": {"intermediate_size": cfg["intermediate_size"], "activation": HF_NAMES[act],
+        # MoE-only models (Qwen3.5-MoE) have no dense MLP size: the unused section takes the experts'
+        "mlp": {"intermediate_size": cfg.get("intermediate_size") or cfg.get("moe_intermediate_size")
+                or cfg["intermediate_size"], "activation": HF_NAMES[act],
                 "bias": bool(cfg.get("mlp_bias", False))},
         "norm": {"eps": float(cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-6))),
                  "offset": 1.0 if gemma or traits.get("offset_norm") else 0.0,
@@ -502,17 +533,22 @@ def spec_dict_from_hf_config(cfg: dict, hf_dir: Path) -> dict:
 
 def _with_defaults(cfg: dict, hf_dir: Path) -> dict:
     """config.json omits fields left at their class defaults (transformers writes diffs):
-    let transformers fill them in, for the families it knows. A multimodal Gemma 3 config
-    yields its text part."""
+    let transformers fill them in, for the families it knows. A multimodal config (Gemma 3,
+    Qwen3.5) yields its text part."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig
     try:
         full = AutoConfig.from_pretrained(str(hf_dir)).to_dict()
     except (ValueError, KeyError, OSError):     # a model_type transformers does not know: as written
         return cfg
-    if full.get("model_type") == "gemma3" and isinstance(full.get("text_config"), dict):
-        full = {**full["text_config"], "model_type": "gemma3_text"}
+    text_type = _TEXT_PARTS.get(full.get("model_type"))
+    if text_type and isinstance(full.get("text_config"), dict):
+        full = {**full["text_config"], "model_type": text_type}
     return full
+
+
+# Multimodal model_type -> the model_type of its text_config.
+_TEXT_PARTS = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
@@ -524,6 +560,7 @@ def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
         cfg = json.loads(config.read_text())
     except json.JSONDecodeError as e:
         raise SpecError(f"{config}: malformed JSON: {e}") from None
+    outer = cfg.get("model_type")
     cfg = _with_defaults(cfg, hf_dir)
     try:
         data = spec_dict_from_hf_config(cfg, hf_dir)
@@ -531,7 +568,23 @@ def spec_from_hf_dir(hf_dir: str | Path) -> ModelSpec:
         hint = "" if cfg.get("model_type") in _FAMILIES else \
             f" (model_type {cfg.get('model_type')!r} is read as a Llama-style config; known families: {', '.join(_FAMILIES)})"
         raise SpecError(f"{config}: {e.args[0]}: required field is missing{hint}") from None
+    if outer in _TEXT_CHECKPOINTS:
+        _as_text_part(data, *_TEXT_CHECKPOINTS[outer])
     return spec_from_dict(data, str(config))
+
+
+# Multimodal model_type -> where its checkpoint keeps the text model, and the prefixes of the
+# parts it holds besides (skipped).
+_TEXT_CHECKPOINTS = {"qwen3_5": ("model.language_model.", ["model.visual."]),
+                     "qwen3_5_moe": ("model.language_model.", ["model.visual."])}
+
+
+def _as_text_part(spec: dict, prefix: str, others: list[str]) -> None:
+    """Point the text model's names under `prefix` (model.X -> prefix + X) and skip the rest."""
+    names = spec.setdefault("weight_names", {})
+    for key in ("embed", "final_norm", "layer"):
+        names[key] = prefix + names.get(key, DEFAULT_WEIGHT_NAMES[key]).removeprefix("model.")
+    spec["checkpoint"]["ignore"] = spec["checkpoint"].get("ignore", []) + others
 
 
 def main(argv: list[str] | None = None) -> int:

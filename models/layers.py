@@ -271,6 +271,24 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def residual_scales(spec: ModelSpec, layer: int) -> tuple[float | None, float, float | None, float]:
+    """(mixer alpha, mixer beta, mlp alpha, mlp beta) of layer `layer`: sub-block outputs are
+    added times beta (Granite's residual_multiplier); alpha, set only with normed-input residuals
+    (`spec.residual`, MiniMax), scales the normed input the stream continues from."""
+    if spec.residual is None:
+        return None, spec.residual_multiplier, None, spec.residual_multiplier
+    return (*spec.residual.scales(spec.layer_kinds[layer]), *spec.residual.scales("mlp"))
+
+
+def delta_multiplier(spec: ModelSpec, layer: int) -> float:
+    """What the delta layer `layer` returns (its last sub-block's output) is scaled by when
+    the next norm adds it to the residual stream."""
+    if spec.norm.sandwich:
+        return 1.0
+    _, mix_beta, _, mlp_beta = residual_scales(spec, layer)
+    return mlp_beta if spec.ffn_kind(layer) != "none" else mix_beta
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + mix(norm(x)), then x + mlp(norm(x)).
 
@@ -308,7 +326,11 @@ class DecoderLayer(nn.Module):
         if self.mlp is not None:
             self.post_attention_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         self.sandwich = n.sandwich
-        self.residual_multiplier = spec.residual_multiplier
+        # Each sub-block's output is added times its beta; with normed-input residuals
+        # (spec.residual) the stream continues from the normed input times its alpha.
+        self.mix_alpha, self.mix_beta, self.mlp_alpha, self.mlp_beta = residual_scales(spec, layer_id)
+        self.delta_multiplier = delta_multiplier(spec, layer_id)
+        self.in_multiplier = delta_multiplier(spec, layer_id - 1) if layer_id else 1.0
         if n.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
         if n.sandwich or self.post_norm:
@@ -321,36 +343,35 @@ class DecoderLayer(nn.Module):
             out = y if out is None else out + y
         return out
 
-    @property
-    def delta_multiplier(self) -> float:
-        """What the delta this layer returns is scaled by when added to the residual stream."""
-        return 1.0 if self.sandwich else self.residual_multiplier
-
     @staticmethod
-    def _add_norm(norm: RMSNorm, x, residual, multiplier: float):
+    def _add_norm(norm: RMSNorm, x, residual, multiplier: float, alpha: float | None = None):
+        """norm(residual + x * multiplier) and the new residual; with normed-input residuals
+        (`alpha` set) the residual carried on is the normed value times alpha."""
         if residual is None:           # the first layer: x is the embeddings
-            return norm(x), x
-        return norm.add_forward(x, residual, multiplier)
+            h, residual = norm(x), x
+        else:
+            h, residual = norm.add_forward(x, residual, multiplier)
+        return (h, residual) if alpha is None else (h, h * alpha)
 
     def forward(self, positions, x, residual, caches):
         """Returns (delta, residual): the residual stream without this layer's last sub-block
         output, and that output (`delta`). The caller adds `delta * delta_multiplier` in the next
         norm (the next layer's first norm, or the final norm) in one fused pass, as vLLM does.
         The first layer gets the embeddings as `x` and residual None. `caches`: one per mixer."""
-        multiplier = self.delta_multiplier     # scales x, the previous layer's delta
+        multiplier = self.in_multiplier        # scales x, the previous layer's delta
         if self.post_norm:                     # the sub-blocks read the stream itself, un-normed
             h = x if residual is None else residual + x * multiplier
             x = self.post_attention_layernorm(self._mix(positions, h, caches))
-            h = h + x * self.residual_multiplier if self.residual_multiplier != 1.0 else h + x
+            h = h + x * self.mix_beta if self.mix_beta != 1.0 else h + x
             return self.post_feedforward_layernorm(self.mlp(h)), h
         if self._mixers:
-            h, residual = self._add_norm(self.input_layernorm, x, residual, multiplier)
+            h, residual = self._add_norm(self.input_layernorm, x, residual, multiplier, self.mix_alpha)
             x = self._mix(positions, h, caches)
             if self.mlp is None:
                 return x, residual
-            multiplier = self.residual_multiplier
+            multiplier = self.mix_beta
             if self.sandwich:
                 h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(x), residual)
                 return self.post_feedforward_layernorm(self.mlp(h)), residual
-        h, residual = self._add_norm(self.post_attention_layernorm, x, residual, multiplier)
+        h, residual = self._add_norm(self.post_attention_layernorm, x, residual, multiplier, self.mlp_alpha)
         return self.mlp(h), residual

@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from models.builder import CausalLM
+from models.kinds import KINDS
 from models.spec import ModelSpec
 
 
@@ -24,8 +25,8 @@ class WeightError(ValueError):
     """A checkpoint that does not fit its spec; the message names the file and tensor."""
 
 
-# Checkpoint tensors that carry nothing we use.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoint tensors that carry nothing we use, and the tables a layer kind recomputes.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",) + tuple(s for k in KINDS.values() for s in k.derived_tensors)
 
 # Layout changes a weight source may ask for (a 4th entry: names applied left to right), for
 # checkpoints that store a tensor otherwise than our param: GPT-OSS's experts are [E, in, out]
@@ -166,7 +167,8 @@ def fill_from_safetensors(params: dict[str, torch.Tensor], sources: dict[str, li
 def load_safetensors(model: CausalLM, path: Path) -> None:
     unused = fill_from_safetensors(dict(model.named_parameters()), model.weight_sources(), path)
     tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
-    unexpected = [n for n in unused if n != tied_head and not n.endswith(_IGNORED_SUFFIXES)]
+    skipped = tuple(model.spec.checkpoint.ignore)
+    unexpected = [n for n in unused if n != tied_head and not n.endswith(_IGNORED_SUFFIXES) and not n.startswith(skipped)]
     if unexpected:
         raise WeightError(f"{path}: unexpected tensors (not in the spec): {_fmt(sorted(unexpected))}")
 

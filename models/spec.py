@@ -85,6 +85,20 @@ class RopeSpec:
     mscale_all_dim: float | None = None   #   mscale(factor, mscale_all_dim) when both are set
 
 
+@dataclass(slots=True)
+class ResidualSpec:
+    """Residuals that go on from the normed input (MiniMax's `postnorm`, DeepNorm-style): each
+    sub-block continues the stream from its normed input, x <- alpha * norm(x) + beta * f(norm(x)),
+    instead of x <- x + f(norm(x)). alpha and beta per sub-block, keyed by the layer's
+    `layers` entry (e.g. lightning_attention) for the token mixer and `mlp` for the
+    feed-forward block; keys left out are 1."""
+    alpha: dict = field(default_factory=dict)
+    beta: dict = field(default_factory=dict)
+
+    def scales(self, key: str) -> tuple[float, float]:
+        return float(self.alpha.get(key, 1.0)), float(self.beta.get(key, 1.0))
+
+
 FFN_KINDS = ("mlp", "moe", "none")
 NORM_POSITIONS = ("pre", "post")
 NO_MIXER = "none"
@@ -125,6 +139,9 @@ class CheckpointSpec:
     name: str | None = None    # embedded: registry name (models.embedded)
     seed: int = 0              # dummy: weights are seeded random
     init_std: float = 0.02
+    # hf: tensor name prefixes of parts the model does not run (a multimodal checkpoint's
+    # vision tower, multi-token-prediction layers): the loader skips them
+    ignore: list = field(default_factory=list)
 
 
 # Where each of our parameters lives in an HF checkpoint. Per-layer names are relative to
@@ -194,6 +211,7 @@ class ModelSpec:
     moe: MoESpec | None = None            # MoE MLPs (others use `mlp`)
     embedding_multiplier: float = 1.0    # Gemma: sqrt(hidden_size)
     residual_multiplier: float = 1.0     # Granite: x + sublayer(x) * m
+    residual: ResidualSpec | None = None  # MiniMax: x = alpha * norm(x) + beta * sublayer(norm(x))
     logits_scaling: float = 1.0          # Granite: logits / s
     tie_word_embeddings: bool = False
     dtype: str = "float32"
@@ -361,6 +379,8 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail(kinds_field, f"layer {i} has neither a token mixer nor a feed-forward block")
         if spec.norm.sandwich and not (spec.layer_mixers(i) and spec.ffn_kind(i) != "none"):
             fail("norm.sandwich", f"sandwich norms need a mixer and a feed-forward block in every layer (layer {i})")
+    if spec.residual is not None:
+        _validate_residual(spec, used_entries=set(spec.layer_kinds), fail=fail)
     choices = [("mlp.activation", spec.mlp.activation, ACTIVATIONS),
                ("dtype", spec.dtype, DTYPES),
                ("checkpoint.source", spec.checkpoint.source, CHECKPOINT_SOURCES),
@@ -402,6 +422,22 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail(f"weight_scales.{key}", f"expected a number or a list of [rows, scale] pairs, got {value!r}")
     if not all(isinstance(t, int) for t in spec.eos_token_ids):
         fail("eos_token_ids", "expected a list of token ids")
+
+
+def _validate_residual(spec: ModelSpec, used_entries: set[str], fail) -> None:
+    if spec.norm.sandwich:
+        fail("residual", "normed-input residuals and sandwich norms do not combine")
+    if spec.residual_multiplier != 1.0:
+        fail("residual", "use residual.beta rather than residual_multiplier with normed-input residuals")
+    if any(spec.post_norm(i) for i in range(spec.num_layers)):
+        fail("residual", "normed-input residuals and layers.norm_position post do not combine")
+    keys = sorted(used_entries - {NO_MIXER}) + ["mlp"]
+    for name in ("alpha", "beta"):
+        for key, value in getattr(spec.residual, name).items():
+            if key not in keys:
+                fail(f"residual.{name}.{key}", f"not a sub-block of this model (one of {', '.join(keys)})")
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                fail(f"residual.{name}.{key}", f"expected a number, got {value!r}")
 
 
 def _is_scale(value: Any) -> bool:

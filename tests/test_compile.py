@@ -77,6 +77,8 @@ def _run(llm: LLM):
     pytest.param("zoo/falcon-h1-small.yaml", marks=pytest.mark.slow),      # parallel attention + mamba2
     pytest.param("zoo/deepseek-v3-small.yaml", marks=pytest.mark.slow),     # mla (latent cache) + MoE
     pytest.param("zoo/kimi-linear-small.yaml", marks=pytest.mark.slow),     # kda + mla (no rope) + MoE
+    pytest.param("zoo/minimax-small.yaml", marks=pytest.mark.slow),         # lightning attention + MoE
+    pytest.param("zoo/qwen3.5-small.yaml", marks=pytest.mark.slow),         # DeltaNet, Qwen3.5's projections
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
     eager = LLM(spec, **ENGINE)

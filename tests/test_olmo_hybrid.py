@@ -96,7 +96,7 @@ def test_conv_rows_must_add_up(tmp_path):
     ({"layers": {"norm_position": ["pre", "after"]}}, r"layers\.norm_position\[1\]: 'after' is not one of pre, post$"),
     ({"layers": {"ffn": ["mlp", "mlp", "mlp", "none"]}},
      r"layers\.norm_position: post norms need a mixer and a feed-forward block and no sandwich norms \(layer 3\)$"),
-    ({"gated_deltanet": {"layout": "fused"}}, r"gated_deltanet\.layout: 'fused' is not one of qwen3_next, separate$"),
+    ({"gated_deltanet": {"layout": "fused"}}, r"gated_deltanet\.layout: 'fused' is not one of qwen3_next, separate, qwen3_5$"),
     ({"attention": {"qk_norm": False}}, r"attention\.qk_norm_all_heads: needs qk_norm: true$"),
 ])
 def test_spec_errors_name_the_field(tmp_path, edit, error):

@@ -47,6 +47,8 @@ class LayerKind:
     hf_layer_types: tuple[str, ...] = ()   # its names in an HF config's `layer_types`
     import_hf: Callable[[dict, dict], None] = _nothing        # (HF config, derived spec dict): fill its fields
     local_rope: bool = False        # takes `rope_local` when the spec has one (Gemma 3's sliding layers)
+    derived_tensors: tuple[str, ...] = ()   # checkpoint tensor name suffixes it recomputes (decay
+                                    # tables HF saves as buffers): the loader skips them
 
 
 def linear_sources(ours: str, hf: str, parts: list[tuple[str, int, int]], bias: bool) -> Sources:

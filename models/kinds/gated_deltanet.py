@@ -1,7 +1,8 @@
 """gated_deltanet: linear attention by the gated delta rule, sized by a `gated_deltanet:`
-section. Two checkpoint layouts share the conv and delta-rule code (models.gated_deltanet):
-Qwen3-Next's fused, per-key-head interleaved projections (`GatedDeltaNet`), and OLMo-Hybrid's
-separate q/k/v/g/b/a projections with beta in [0, 2] (`SeparateGatedDeltaNet`)."""
+section. Three checkpoint layouts share the conv and delta-rule code (models.gated_deltanet):
+Qwen3-Next's fused, per-key-head interleaved projections (`GatedDeltaNet`), OLMo-Hybrid's
+separate q/k/v/g/b/a projections with beta in [0, 2] (`SeparateGatedDeltaNet`), and Qwen3.5's
+in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (`Qwen3_5GatedDeltaNet`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,13 +10,13 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from models.gated_deltanet import GatedDeltaNet, SeparateGatedDeltaNet
+from models.gated_deltanet import GatedDeltaNet, Qwen3_5GatedDeltaNet, SeparateGatedDeltaNet
 from models.kinds.base import Sources, state_kind
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
 
-LAYOUTS = {"qwen3_next": GatedDeltaNet, "separate": SeparateGatedDeltaNet}
+LAYOUTS = {"qwen3_next": GatedDeltaNet, "separate": SeparateGatedDeltaNet, "qwen3_5": Qwen3_5GatedDeltaNet}
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class GatedDeltaNetSpec:
     head_v_dim: int
     conv_kernel: int = 4
     layout: str = "qwen3_next"        # projections: qwen3_next (fused, interleaved) | separate (OLMo-Hybrid)
+    #                                   | qwen3_5 (split per part)
     allow_neg_eigval: bool = False    # beta = 2 * sigmoid(b) (OLMo-Hybrid's linear_allow_neg_eigval)
     norm_eps: float | None = None     # the gated output norm's eps; None: norm.eps
 
