@@ -169,10 +169,19 @@ class StateManager(SingleTypeKVCacheManager):
                 return k
         return 0
 
-    def take_hits(self, request_id: str, hashes: list[bytes], num_blocks: int) -> None:
-        src = [self.pool.get_cached_block(self.group_id, k) for k in self._keys(hashes[num_blocks - 1])]
-        self.pool.touch(src)                    # pinned until the load has run
+    def pin_checkpoint(self, block_hash: bytes) -> list[KVCacheBlock]:
+        """Take the checkpoint's pages out of the free queue (pinned until the load has run),
+        so that no allocation evicts them first; returns them."""
+        src = [self.pool.get_cached_block(self.group_id, k) for k in self._keys(block_hash)]
+        self.pool.touch(src)
         self.pinned.extend(src)
+        return src
+
+    def take_hits(self, request_id: str, hashes: list[bytes], num_blocks: int,
+                  src: list[KVCacheBlock] | None = None) -> None:
+        """Start the request from a copy of checkpoint `num_blocks`: its own new pages, loaded
+        from `src` (the checkpoint's pages, pinned here unless `pin_checkpoint` did)."""
+        src = src or self.pin_checkpoint(hashes[num_blocks - 1])
         dst = self.pool.get_new_blocks(self.spec.pages)
         self.req_to_blocks[request_id] = dst
         self.loads[request_id] = ([b.block_id for b in src], [b.block_id for b in dst])
@@ -283,8 +292,13 @@ class KVCacheManager:
         if hit and self.pool.get_num_free_blocks() < self._hit_cost(usable, hit, kv_managers):
             hit = 0          # no room for the request's own state pages: start uncached
         if hit:
-            for m in self.managers:
+            # Every cached block of the hit leaves the free queue before any group allocates
+            # (a state group's new pages would otherwise evict another group's checkpoint).
+            for m in kv_managers:
                 m.take_hits(request_id, usable, hit)
+            srcs = [m.pin_checkpoint(usable[hit - 1]) for m in self.state_managers]
+            for m, src in zip(self.state_managers, srcs):
+                m.take_hits(request_id, usable, hit, src)
         return hit * self.block_size
 
     def _hit_cost(self, hashes: list[bytes], hit: int, kv_managers) -> int:

@@ -1,8 +1,10 @@
-"""Gated DeltaNet (Qwen3-Next linear attention) for the flattened, continuously-batched engine.
+"""Gated DeltaNet (Qwen3-Next linear attention) for the flattened, continuously-batched engine,
+and the plumbing every short-conv delta-rule layer shares (`DeltaRuleMixer`: Gated DeltaNet
+here, Kimi Delta Attention in models/kda.py).
 
 The layer works on `[num_tokens, hidden]` with no batch axis. Request i of the step owns tokens
 `meta.query_start_loc[i]:meta.query_start_loc[i+1]` and the state slot `meta.slots[i]` of two
-per-layer tensors that are updated in place (see `GatedDeltaNet.state_shapes`):
+per-layer tensors that are updated in place (see `DeltaRuleMixer.state_shapes`):
 
 - conv state `[num_slots, conv_dim, kernel - 1]`: the last `kernel - 1` *inputs* of the causal
   depthwise conv (the projected q|k|v channels before the conv), oldest first, so that the next
@@ -18,9 +20,8 @@ Paths: when `meta.all_decode` every request has one token and the step is one ve
 recurrent update over all requests (no Python loop, no host sync). Otherwise the causal conv
 runs over every token of the step at once, each request's chunk prefixed with its stored tail
 (models.causal_conv); single-token requests are still grouped into one vectorised step, and
-each multi-token request (a prefill chunk) runs the chunked gated delta rule (HF's
-`torch_chunk_gated_delta_rule` math, chunks of up to 64 tokens) from its stored state; its
-final states are written back to its slot.
+each multi-token request (a prefill chunk) runs the layer's chunked delta rule (chunks of up
+to 64 tokens) from its stored state; its final states are written back to its slot.
 
 Parameter names and shapes equal HF's `Qwen3NextGatedDeltaNet`, so its state_dict loads 1:1.
 `SeparateGatedDeltaNet` (OLMo-Hybrid) and `Qwen3_5GatedDeltaNet` (Qwen3.5) take their input
@@ -46,6 +47,37 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def to_chunks(x: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[L, H, *d] -> [H, n, chunk_size, *d], end-padded with zeros to n whole chunks (zero k, v,
+    beta and log decay leave a delta-rule state unchanged; padded outputs are dropped)."""
+    x = x.transpose(0, 1)
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, -x.shape[1] % chunk_size))
+    return x.reshape(x.shape[0], -1, chunk_size, *x.shape[2:])
+
+
+def from_chunks(out: torch.Tensor, length: int) -> torch.Tensor:
+    """[H, n, C, d] -> [length, H, d]: the inverse of `to_chunks`, padding dropped."""
+    return out.reshape(out.shape[0], -1, out.shape[-1])[:, :length].transpose(0, 1)
+
+
+def delta_rule_scan(q: torch.Tensor, k: torch.Tensor, intra: torch.Tensor, new_values: torch.Tensor,
+                    k_cumdecay: torch.Tensor, chunk_decay: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequential part of a chunked (gated) delta rule: chunk by chunk, never token by token.
+
+    Per chunk i ([H, n, C, .] tensors indexed at i): q decayed to the chunk start (q_t * exp(G_t)),
+    k decayed to the chunk end (k_s * exp(G_C - G_s)), intra [C, C] (decayed q_t . k_s, s <= t),
+    the triangular-solved values and k_cumdecay (what the state at the chunk start subtracts from
+    them), chunk_decay (exp(G_C): [H, n, 1, 1] for a decay per head, [H, n, dk, 1] per key
+    channel). Returns (out [H, n, C, dv], final state [H, dk, dv])."""
+    out = torch.empty_like(new_values)
+    for i in range(new_values.shape[1]):
+        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
+        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
+        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
+    return out, state
+
+
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                            beta: torch.Tensor, state: torch.Tensor,
                            chunk_size: int = CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,16 +89,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     """
     L = q.shape[0]
     chunk_size = min(chunk_size, L)
-    pad = (chunk_size - L % chunk_size) % chunk_size
-    # [H, L, d]; end-padding with zeros (k = v = beta = g = 0) leaves the state unchanged.
-    q, k, v = (F.pad(x.transpose(0, 1), (0, 0, 0, pad)) for x in (q, k, v))
-    beta, g = (F.pad(x.transpose(0, 1), (0, pad)) for x in (beta, g))
-    H, n = q.shape[0], (L + pad) // chunk_size
-
+    q, k, v, g, beta = (to_chunks(x, chunk_size) for x in (q, k, v, g, beta))
     v_beta = v * beta.unsqueeze(-1)
     k_beta = k * beta.unsqueeze(-1)
-    q, k, k_beta, v_beta = (x.reshape(H, n, chunk_size, x.shape[-1]) for x in (q, k, k_beta, v_beta))
-    g = g.reshape(H, n, chunk_size)
     upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
 
     cum = g.cumsum(-1)                                                   # [H, n, C]
@@ -76,27 +101,21 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * cum.exp().unsqueeze(-1), upper=False,
                                                unitriangular=True)
-    q = q * cum.exp().unsqueeze(-1)
-    k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
-    chunk_decay = cum[..., -1].exp()[..., None, None]                    # [H, n, 1, 1]
-
-    out = torch.empty_like(new_values)
-    for i in range(n):  # sequential over chunks of 64, never over tokens
-        v_new = new_values[:, i] - k_cumdecay[:, i] @ state
-        out[:, i] = q[:, i] @ state + intra[:, i] @ v_new
-        state = state * chunk_decay[:, i] + k[:, i].transpose(-1, -2) @ v_new
-    out = out.reshape(H, -1, out.shape[-1])[:, :L].transpose(0, 1)
-    return out, state
+    out, state = delta_rule_scan(q * cum.exp().unsqueeze(-1), k * (cum[..., -1:] - cum).exp().unsqueeze(-1),
+                                 intra, new_values, k_cumdecay, cum[..., -1].exp()[..., None, None], state)
+    return from_chunks(out, L), state
 
 
 def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                                beta: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per request, vectorised over requests (HF torch_recurrent_gated_delta_rule math).
 
-    q, k: [R, H, dk] float32 (normalised, q scaled); v: [R, H, dv]; g, beta: [R, H];
+    q, k: [R, H, dk] float32 (normalised, q scaled); v: [R, H, dv]; beta: [R, H]; g (log decay):
+    [R, H] (one per head, Gated DeltaNet) or [R, H, dk] (one per key channel, KDA);
     state: [R, H, dk, dv] float32. Returns (out [R, H, dv], new state [R, H, dk, dv]).
     """
-    state = state * g.exp()[..., None, None]
+    decay = g.exp()
+    state = state * (decay[..., None, None] if decay.dim() == 2 else decay[..., None])
     kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)
     delta = (v - kv_mem) * beta.unsqueeze(-1)
     state = state + k.unsqueeze(-1) * delta.unsqueeze(-2)
@@ -104,11 +123,105 @@ def recurrent_gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out, state
 
 
-class GatedDeltaNet(nn.Module):
+class DeltaRuleMixer(nn.Module):
+    """What every short-conv delta-rule state layer shares: the causal conv over q|k|v with its
+    stored tail, the recurrent state, the decode / mixed paths and the paged entry points.
+
+    A subclass sets `conv1d` (depthwise, weight [conv_dim, 1, kernel]), `conv_dim`,
+    `conv_kernel_size`, `act`, `num_v_heads`, `head_k_dim`, `head_v_dim` and `chunk_rule` (its
+    chunked delta rule, fn(q, k, v, g, beta, state) -> (out, state)), and implements
+    `_project(hidden) -> (mixed_qkv [T, conv_dim], z, *gates)` (gates: [T, ...] tensors the
+    state op takes), `_qkv_gates(conv_out, *gates) -> (q, k, v, g, beta)` in float32 and
+    `_finish(core, z, dtype) -> [T, hidden]`."""
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Per-request state shapes (allocate `[num_slots, *shape]` per layer):
+        conv: (conv_dim, kernel - 1), the q|k|v channels' last kernel-1 conv inputs, oldest first;
+        recurrent: (num_v_heads, head_k_dim, head_v_dim), the delta-rule state S (o = q @ S)."""
+        return {"conv": (self.conv_dim, self.conv_kernel_size - 1),
+                "recurrent": (self.num_v_heads, self.head_k_dim, self.head_v_dim)}
+
+    # ---- per-path state updates --------------------------------------------------------------
+
+    def _decode(self, x: torch.Tensor, gates: list[torch.Tensor], conv_state: torch.Tensor,
+                recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """One token per request: x [R, conv_dim] -> core out [R, Hv, dv] (fp32)."""
+        conv_out = self.act(conv_step(x, conv_state, slots, has_init, self.conv1d.weight[:, 0])).to(x.dtype)
+        return self._recurrent_step(conv_out, gates, recurrent_state, slots, has_init)
+
+    def _recurrent_step(self, conv_out: torch.Tensor, gates: list[torch.Tensor],
+                        recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """The delta rule for one post-conv token per request -> [R, Hv, dv] (fp32)."""
+        q, k, v, g, beta = self._qkv_gates(conv_out, *gates)
+        S = recurrent_state[slots].float()
+        S = torch.where(has_init.view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
+        out, S = recurrent_gated_delta_step(q, k, v, g, beta, S)
+        recurrent_state[slots] = S.to(recurrent_state.dtype)
+        return out
+
+    def _prefill_one(self, conv_out: torch.Tensor, gates: list[torch.Tensor], recurrent_state: torch.Tensor,
+                     slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
+        """One request's chunk after the conv: conv_out [L, conv_dim]; slot, has_init: [1]
+        tensors -> out [L, Hv, dv], the chunked delta rule from its stored state."""
+        q, k, v, g, beta = self._qkv_gates(conv_out, *gates)
+        S = recurrent_state.index_select(0, slot)[0].float()
+        S = torch.where(has_init, S, torch.zeros((), dtype=S.dtype, device=S.device))
+        out, S = self.chunk_rule(q, k, v, g, beta, S)
+        recurrent_state.index_copy_(0, slot, S.unsqueeze(0).to(recurrent_state.dtype))
+        return out
+
+    # ---- forward ----------------------------------------------------------------------------
+
+    def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
+                meta: StateMetadata) -> torch.Tensor:
+        """hidden [T, hidden_size] -> [T, hidden_size]; updates the states' slots in place.
+
+        In the all-decode path T must equal meta.num_reqs (pad slots alongside tokens). In the
+        mixed path, tokens past query_start_loc[-1] (padding) get a zero core output."""
+        mixed_qkv, z, *gates = self._project(hidden)
+        core = self._core(mixed_qkv, gates, conv_state, recurrent_state, meta)
+        return self._finish(core, z, hidden.dtype)
+
+    def forward_paged(self, hidden: torch.Tensor, pages: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """States in pool pages: projections, gated norm and output projection stay in the
+        (compiled) graph; the conv and delta rule, which read and write the pages through the
+        step's host-side plan, run inside the `zooinfer::state_update` op (see `update_states`)."""
+        mixed_qkv, z, *gates = self._project(hidden)
+        core = torch.ops.zooinfer.state_update([mixed_qkv, *gates], pages, layer_id,
+                                               [self.num_v_heads, self.head_v_dim])
+        return self._finish(core, z, hidden.dtype)
+
+    def update_states(self, inputs: list[torch.Tensor], states: list[torch.Tensor], plan) -> torch.Tensor:
+        """`zooinfer::state_update` body: inputs (mixed_qkv, *gates), states (conv, recurrent)."""
+        return self._core(inputs[0], inputs[1:], *states, plan.meta, step_conv_plan(plan, self.conv_kernel_size))
+
+    def _core(self, mixed_qkv: torch.Tensor, gates: list[torch.Tensor], conv_state: torch.Tensor,
+              recurrent_state: torch.Tensor, meta: StateMetadata, conv_plan: ConvPlan | None = None) -> torch.Tensor:
+        """Conv + delta rule over the step's tokens -> core [T, Hv, dv] fp32. The conv runs
+        over every token at once; the delta rule as one vectorised step over the single-token
+        requests and chunked (64-token chunks) per longer request."""
+        if meta.all_decode:
+            return self._decode(mixed_qkv, gates, conv_state, recurrent_state, meta.slots,
+                                meta.has_initial_state)
+        T, device = mixed_qkv.shape[0], mixed_qkv.device
+        conv_plan = conv_plan or ConvPlan.build(meta, self.conv_kernel_size)
+        conv_out = conv_varlen(mixed_qkv, conv_state, meta, conv_plan, self.conv1d.weight[:, 0])
+        conv_out = self.act(conv_out).to(mixed_qkv.dtype)
+        return run_by_request(
+            meta, lambda: torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device),
+            lambda tok, req: self._recurrent_step(conv_out[tok], [x[tok] for x in gates], recurrent_state,
+                                                  meta.slots[req], meta.has_initial_state[req]),
+            lambda s, e, i: self._prefill_one(conv_out[s:e], [x[s:e] for x in gates], recurrent_state,
+                                              meta.slots[i:i + 1], meta.has_initial_state[i:i + 1]))
+
+
+class GatedDeltaNet(DeltaRuleMixer):
     """Qwen3-Next linear-attention layer; arguments mirror HF config fields:
     hidden_size, linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
     linear_value_head_dim, linear_conv_kernel_dim, rms_norm_eps, hidden_act (and OLMo-Hybrid's
     linear_allow_neg_eigval: beta = 2 * sigmoid(b))."""
+
+    chunk_rule = staticmethod(chunk_gated_delta_rule)
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int,
                  head_v_dim: int, conv_kernel_size: int = 4, rms_norm_eps: float = 1e-6,
@@ -145,14 +258,6 @@ class GatedDeltaNet(nn.Module):
         return cls(config.hidden_size, config.linear_num_key_heads, config.linear_num_value_heads,
                    config.linear_key_head_dim, config.linear_value_head_dim,
                    config.linear_conv_kernel_dim, config.rms_norm_eps, config.hidden_act)
-
-    def state_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Per-request state shapes (allocate `[num_slots, *shape]` per layer):
-        conv: (conv_dim, kernel - 1), conv_dim = 2 * key_dim + value_dim (q|k|v channels),
-        the last kernel-1 conv inputs, oldest first;
-        recurrent: (num_v_heads, head_k_dim, head_v_dim), the delta-rule state S (o = q @ S)."""
-        return {"conv": (self.conv_dim, self.conv_kernel_size - 1),
-                "recurrent": (self.num_v_heads, self.head_k_dim, self.head_v_dim)}
 
     # ---- projections -------------------------------------------------------------------------
 
@@ -197,87 +302,12 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return q, k, v, g, beta
 
-    # ---- per-path state updates --------------------------------------------------------------
-
-    def _decode(self, x: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
-                recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-        """One token per request: x [R, conv_dim] -> core out [R, Hv, dv] (fp32)."""
-        conv_out = self.act(conv_step(x, conv_state, slots, has_init, self.conv1d.weight[:, 0])).to(x.dtype)
-        return self._recurrent_step(conv_out, b, a, recurrent_state, slots, has_init)
-
-    def _recurrent_step(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                        recurrent_state: torch.Tensor, slots: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-        """The delta rule for one post-conv token per request -> [R, Hv, dv] (fp32)."""
-        q, k, v, g, beta = self._qkv_gates(conv_out, b, a)
-        S = recurrent_state[slots].float()
-        S = torch.where(has_init.view(-1, 1, 1, 1), S, torch.zeros((), dtype=S.dtype, device=S.device))
-        out, S = recurrent_gated_delta_step(q, k, v, g, beta, S)
-        recurrent_state[slots] = S.to(recurrent_state.dtype)
-        return out
-
-    def _prefill_one(self, conv_out: torch.Tensor, b: torch.Tensor, a: torch.Tensor, recurrent_state: torch.Tensor,
-                     slot: torch.Tensor, has_init: torch.Tensor) -> torch.Tensor:
-        """One request's chunk after the conv: conv_out [L, conv_dim]; slot, has_init: [1]
-        tensors -> out [L, Hv, dv], the chunked delta rule from its stored state."""
-        q, k, v, g, beta = self._qkv_gates(conv_out, b, a)
-        S = recurrent_state.index_select(0, slot)[0].float()
-        S = torch.where(has_init, S, torch.zeros((), dtype=S.dtype, device=S.device))
-        out, S = chunk_gated_delta_rule(q, k, v, g, beta, S)
-        recurrent_state.index_copy_(0, slot, S.unsqueeze(0).to(recurrent_state.dtype))
-        return out
-
-    # ---- forward ----------------------------------------------------------------------------
-
-    def forward(self, hidden: torch.Tensor, conv_state: torch.Tensor, recurrent_state: torch.Tensor,
-                meta: StateMetadata) -> torch.Tensor:
-        """hidden [T, hidden_size] -> [T, hidden_size]; updates the states' slots in place.
-
-        In the all-decode path T must equal meta.num_reqs (pad slots alongside tokens). In the
-        mixed path, tokens past query_start_loc[-1] (padding) get a zero core output."""
-        mixed_qkv, z, b, a = self._project(hidden)
-        core = self._core(mixed_qkv, b, a, conv_state, recurrent_state, meta)
-        return self._finish(core, z, hidden.dtype)
-
-    def forward_paged(self, hidden: torch.Tensor, pages: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """States in pool pages: projections, gated norm and out_proj stay in the (compiled)
-        graph; the conv and delta rule, which read and write the pages through the step's
-        host-side plan, run inside the `zooinfer::state_update` op (see `update_states`)."""
-        mixed_qkv, z, b, a = self._project(hidden)
-        core = torch.ops.zooinfer.state_update([mixed_qkv, b, a], pages, layer_id,
-                                               [self.num_v_heads, self.head_v_dim])
-        return self._finish(core, z, hidden.dtype)
-
-    def update_states(self, inputs: list[torch.Tensor], states: list[torch.Tensor], plan) -> torch.Tensor:
-        """`zooinfer::state_update` body: inputs (mixed_qkv, b, a), states (conv, recurrent)."""
-        mixed_qkv, b, a = inputs
-        return self._core(mixed_qkv, b, a, *states, plan.meta, step_conv_plan(plan, self.conv_kernel_size))
-
     def _finish(self, core: torch.Tensor, z: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Gated norm per value head on [T, Hv, dv], then out_proj. The token dim stays a dim of
         its own: under torch.compile with an unbacked token count, folding it into rows
         ([T * Hv, dv] and back) is miscompiled by inductor (torch 2.13, CPU)."""
         out = self.norm(core.to(dtype), z)
         return self.out_proj(out.flatten(1))
-
-    def _core(self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, conv_state: torch.Tensor,
-              recurrent_state: torch.Tensor, meta: StateMetadata, conv_plan: ConvPlan | None = None) -> torch.Tensor:
-        """Conv + gated delta rule over the step's tokens -> core [T, Hv, dv] fp32. The conv runs
-        over every token at once; the delta rule as one vectorised step over the single-token
-        requests and chunked (64-token chunks) per longer request."""
-        if meta.all_decode:
-            return self._decode(mixed_qkv, b, a, conv_state, recurrent_state, meta.slots,
-                                meta.has_initial_state)
-        T, device = mixed_qkv.shape[0], mixed_qkv.device
-        conv_plan = conv_plan or ConvPlan.build(meta, self.conv_kernel_size)
-        conv_out = conv_varlen(mixed_qkv, conv_state, meta, conv_plan, self.conv1d.weight[:, 0])
-        conv_out = self.act(conv_out).to(mixed_qkv.dtype)
-        return run_by_request(
-            meta, lambda: torch.zeros(T, self.num_v_heads, self.head_v_dim, dtype=torch.float32, device=device),
-            lambda tok, req: self._recurrent_step(conv_out[tok], b[tok], a[tok], recurrent_state,
-                                                  meta.slots[req], meta.has_initial_state[req]),
-            lambda s, e, i: self._prefill_one(conv_out[s:e], b[s:e], a[s:e], recurrent_state,
-                                              meta.slots[i:i + 1], meta.has_initial_state[i:i + 1]))
-
 
 class SeparateGatedDeltaNet(GatedDeltaNet):
     """OLMo-Hybrid's Gated DeltaNet (HF `OlmoHybridGatedDeltaNet`): the same conv and delta

@@ -54,6 +54,49 @@ def _qwen3_next(cfg: dict, spec: dict) -> None:
     spec["attention"]["output_gate"] = True
 
 
+def _checkpoint_has(spec: dict, fragment: str) -> bool:
+    """Whether a tensor name of the spec's checkpoint contains `fragment` (names from the
+    safetensors index or file headers; no tensor is read). An unreadable file: False, for the
+    loader to report."""
+    path = Path(spec["checkpoint"]["path"])
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.exists():
+            names = list(json.loads(index.read_text())["weight_map"])
+        else:
+            from safetensors import safe_open
+            names = []
+            for file in sorted(path.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as f:
+                    names.extend(f.keys())
+    except Exception:   # noqa: BLE001 (any unreadable checkpoint: the loader names the problem)
+        return False
+    return any(fragment in n for n in names)
+
+
+def _kimi_linear(cfg: dict, spec: dict) -> None:
+    """Kimi-Linear: KDA layers and MLA layers without rope (KimiLinearAttention applies none);
+    the context length is `model_max_length`. A config.json as Moonshot writes it (no
+    `layer_types`) names its layers in `linear_attn_config` (1-indexed `full_attn_layers`).
+    Dense-or-MoE per layer (`mlp_layer_types` / `first_k_dense_replace`) is read generally."""
+    n = cfg["num_hidden_layers"]
+    lac = cfg.get("linear_attn_config") or {}
+    if not cfg.get("layer_types") and "full_attn_layers" in lac:
+        full = set(lac["full_attn_layers"])
+        kinds = ["mla" if i + 1 in full else "kda" for i in range(n)]
+        spec["layers"] = {**spec["layers"], "kinds": kinds}
+        spec["layers"].pop("pattern", None)
+        for kind in sorted(set(kinds) & set(KINDS)):
+            KINDS[kind].import_hf(cfg, spec)
+    # Moonshot's checkpoints keep dense MLPs under `mlp.`; transformers' save_pretrained writes
+    # them under the MoE's `block_sparse_moe.` (it reverses its MoE rename on every layer).
+    if _checkpoint_has(spec, ".block_sparse_moe.gate_proj."):
+        spec.setdefault("weight_names", {}).update(
+            {p: f"block_sparse_moe.{p}_proj" for p in ("gate", "up", "down")})
+    spec["rope"]["type"] = "none"
+    spec["max_model_len"] = int(cfg.get("model_max_length") or spec["max_model_len"])
+
+
 def _qwen3_5(cfg: dict, spec: dict) -> None:
     """Qwen3.5: Qwen3-Next's adjustments; its checkpoint splits in_proj_qkvz / in_proj_ba and
     carries multi-token-prediction layers (mtp.*), which we do not run."""
@@ -158,6 +201,14 @@ family("qwen3_5_moe_text", qk_norm=True, offset_norm=True, moe={}, adjust=_qwen3
 # block_sparse_moe / shared_mlp sit on the layer.
 family("granitemoehybrid", layer_types={"linear_attention": "mamba2"}, weight_names={"moe": ""},
        moe={"style": "granite"}, adjust=_granite_hybrid)
+# Kimi-Linear: KDA layers, 1 in 4 an MLA layer (no rope), a dense first MLP then sigmoid-routed
+# MoE (selection bias, fp32 router) with an ungated shared expert; experts' w1 / w3 / w2.
+family("kimi_linear", layer_types={"linear_attention": "kda", "full_attention": "mla"},
+       moe={"scoring": "sigmoid", "selection_bias": True, "router_fp32": True, "shared_expert_gate": False},
+       weight_names={"moe": "block_sparse_moe", "moe_shared": "shared_experts", "moe_expert_gate": "w1",
+                     "moe_expert_up": "w3", "moe_expert_down": "w2"},
+       adjust=_kimi_linear)
+
 # MiniMax-Text-01: lightning attention (HF's `linear_attention`) with every n-th layer softmax
 # attention, Mixtral-style MoE (w1 / w3 / w2 experts under block_sparse_moe), normed-input residuals.
 family("minimax", layer_types={"linear_attention": "lightning_attention"}, moe={},

@@ -58,7 +58,7 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm with a silu gate, in the two orders the HF state mixers use (the weight is
+    """RMSNorm with a silu (Kimi: sigmoid) gate, in the orders the HF state mixers use (the weight is
     `weight`, ones at init, so HF state dicts load 1:1). Either order RMS-normalises each
     group of `group_size` channels (None: all of them):
 
@@ -66,14 +66,18 @@ class GatedRMSNorm(nn.Module):
       false): x * silu(gate), normalised, times weight; float32 out.
     - otherwise (Qwen3-Next `Qwen3NextRMSNormGated`, Falcon-H1 `FalconH1RMSNormGated` with
       mamba_norm_before_gate): normalised x times weight in x's dtype, then times silu(gate);
-      out in x's dtype."""
+      out in x's dtype;
+    - `sigmoid` (Kimi-Linear `KimiLinearRMSNormGated`): normalised x times weight, all in
+      float32, then times sigmoid(gate); out in x's dtype."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, gate_first: bool = False):
+    def __init__(self, dim: int, eps: float = 1e-6, group_size: int | None = None, gate_first: bool = False,
+                 sigmoid: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.group_size = group_size
         self.gate_first = gate_first
+        self.sigmoid = sigmoid
 
     def _normalise(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -85,6 +89,8 @@ class GatedRMSNorm(nn.Module):
         if self.gate_first:
             return self.weight.float() * self._normalise(x.float() * F.silu(gate.float()))
         dtype = x.dtype
+        if self.sigmoid:
+            return (self.weight.float() * self._normalise(x.float()) * torch.sigmoid(gate.float())).to(dtype)
         x = self.weight * self._normalise(x.float()).to(dtype)
         x = x * F.silu(gate.float())
         return x.to(dtype)

@@ -316,3 +316,27 @@ def test_make_kv_cache_config_enforces_max_model_len():
     cfg = make_kv_cache_config(specs, 4, memory_bytes=100 * specs[0].page_size_bytes,
                                min_tokens=8, max_num_seqs=3)
     assert cfg.num_blocks == 3 * 2 + 1
+
+
+def test_state_hit_pins_every_checkpoint_before_allocating():
+    """A hit in two state groups: the first group's new state pages must not evict the second
+    group's checkpoint (both sit at the head of the free queue, the pool has room for exactly
+    the hit's cost). Each group then loads its own checkpoint."""
+    from cache.kv_cache_spec import StateSpec
+    specs = {0: FullAttentionSpec(4, 1, 8, torch.float32),                  # 256-byte pages
+             1: StateSpec(4, shapes=(("s", (128,)),)), 2: StateSpec(4, shapes=(("s", (96,)),))}
+    kv = KVCacheManager(make_kv_cache_config(specs, 4, num_blocks=11))      # null + 2 + 2 * (2 + 2)
+    states = kv.state_managers
+    assert [m.spec.pages for m in states] == [2, 2] and kv.num_free_blocks() == 10
+    hashes = [b"h0", b"h1"]
+    assert kv.allocate_slots("a", 8) is not None
+    assert all(m.plan_checkpoint("a", hashes[0]) for m in states)
+    checkpoints = [kv.pool.blocks[i] for m in states for i in m.saves["a"][1]]
+    kv.take_copies()
+    kv.finish_step()
+    kv.cache_blocks("a", hashes, 8)
+    kv.free("a")
+    assert kv.num_free_blocks() == 10
+    assert kv.reuse_prefix("b", hashes[:1], 6) == 4
+    loads, _ = kv.take_copies()
+    assert sorted(i for _, src, _ in loads for i in src) == sorted(b.block_id for b in checkpoints)

@@ -76,6 +76,7 @@ def _run(llm: LLM):
     pytest.param("zoo/nemotron-h-small.yaml", marks=pytest.mark.slow),     # mixer-only + MLP-only layers
     pytest.param("zoo/falcon-h1-small.yaml", marks=pytest.mark.slow),      # parallel attention + mamba2
     pytest.param("zoo/deepseek-v3-small.yaml", marks=pytest.mark.slow),     # mla (latent cache) + MoE
+    pytest.param("zoo/kimi-linear-small.yaml", marks=pytest.mark.slow),     # kda + mla (no rope) + MoE
     pytest.param("zoo/minimax-small.yaml", marks=pytest.mark.slow),         # lightning attention + MoE
     pytest.param("zoo/qwen3.5-small.yaml", marks=pytest.mark.slow),         # DeltaNet, Qwen3.5's projections
 ])

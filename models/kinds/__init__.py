@@ -7,7 +7,7 @@ hook, gathered in one `LayerKind`, or `state_kind(...)` for a state layer) and o
 """
 from __future__ import annotations
 
-from models.kinds import attention, gated_deltanet, lightning_attention, mamba2, mla, short_conv
+from models.kinds import attention, gated_deltanet, kda, lightning_attention, mamba2, mla, short_conv
 from models.kinds.base import Fail, LayerKind, Sources, linear_sources, state_kind
 
 KINDS: dict[str, LayerKind] = {k.name: k for k in (
@@ -17,6 +17,7 @@ KINDS: dict[str, LayerKind] = {k.name: k for k in (
     mamba2.KIND,
     gated_deltanet.KIND,
     short_conv.KIND,
+    kda.KIND,
     mla.KIND,
     lightning_attention.KIND,
 )}
