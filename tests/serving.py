@@ -86,3 +86,17 @@ def error_of(resp: httpx.Response) -> dict:
     assert set(body) == {"error"} and set(body["error"]) >= {"message", "type", "param", "code"}, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     return body["error"]
+
+
+@contextmanager
+def tiny_chat_client(folder: Path, *extra: str):
+    """A tiny-chat server with an httpx client on it, and SmolLM2's tokenizer to check
+    against; on exit its log must hold no traceback."""
+    from transformers import AutoTokenizer
+
+    from models.embedded import ensure_embedded
+    tok = AutoTokenizer.from_pretrained(ensure_embedded("smollm2-135m"))
+    with running_server(tiny_chat_spec(folder), *extra) as (proc, base), \
+            httpx.Client(base_url=base, timeout=60) as http:
+        yield http, tok
+    assert "Traceback" not in proc.stdout.read()

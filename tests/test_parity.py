@@ -41,21 +41,8 @@ def _run(llm: LLM, prompts) -> list[list[int]]:
 
 def _staggered(llm: LLM, prompts) -> list[list[int]]:
     """Half the prompts arrive first; the rest arrive one per step while those decode."""
-    engine = llm.engine
-    reqs = [engine.make_request({"prompt_token_ids": p}, GREEDY) for p in prompts]
-    for r in reqs[:4]:
-        engine.add_request(r)
-    pending = reqs[4:]
-    done: dict[str, list[int]] = {}
-    steps = 0
-    while engine.has_unfinished() or pending:
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        steps += 1
-        if pending and steps >= 3:
-            engine.add_request(pending.pop(0))
-    return [done[r.request_id] for r in reqs]
+    from tests.zoo_parity import staggered
+    return staggered(llm, prompts, GREEDY, first=4, start_after=3)
 
 
 def _check_all_free(llm: LLM) -> None:

@@ -6,21 +6,15 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.serving import error_of, running_server, tiny_chat_spec
+from tests.serving import error_of, tiny_chat_client, tiny_chat_spec
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    from transformers import AutoTokenizer
-
-    from models.embedded import ensure_embedded
-    spec = tiny_chat_spec(tmp_path_factory.mktemp("tokenize"))
-    tok = AutoTokenizer.from_pretrained(ensure_embedded("smollm2-135m"))
-    with running_server(spec) as (proc, base), httpx.Client(base_url=base, timeout=60) as http:
-        yield http, tok
-    assert "Traceback" not in proc.stdout.read()
+    with tiny_chat_client(tmp_path_factory.mktemp("tokenize")) as served:
+        yield served
 
 
 def test_tokenize_and_back(served):

@@ -81,19 +81,22 @@ def assert_all_free(llm: LLM) -> None:
     assert stats["num_running"] == 0 and stats["num_waiting"] == 0
 
 
-def _staggered(llm: LLM, prompts) -> list[list[int]]:
+def staggered(llm: LLM, prompts, params: SamplingParams = GREEDY, first: int | None = None,
+              start_after: int = 2) -> list[list[int]]:
+    """Greedy tokens when `first` prompts (default half) arrive at once and the rest one per
+    step, from step `start_after` on, while those decode."""
     engine = llm.engine
-    reqs = [engine.make_request({"prompt_token_ids": p}, GREEDY) for p in prompts]
-    half = len(reqs) // 2
-    for r in reqs[:half]:
+    reqs = [engine.make_request({"prompt_token_ids": p}, params) for p in prompts]
+    first = len(reqs) // 2 if first is None else first
+    for r in reqs[:first]:
         engine.add_request(r)
-    pending, done, steps = reqs[half:], {}, 0
+    pending, done, steps = reqs[first:], {}, 0
     while engine.has_unfinished() or pending:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
         steps += 1
-        if pending and steps >= 2:
+        if pending and steps >= start_after:
             engine.add_request(pending.pop(0))
     return [done[r.request_id] for r in reqs]
 
@@ -146,7 +149,7 @@ def check_regime(ref: Reference, regime: str, *, expect_hits: dict[int, int] | N
         assert_all_free(single)
     elif regime == "staggered":
         llm = LLM(ref.path, max_num_batched_tokens=24, **engine_kwargs)
-        assert _staggered(llm, ref.prompts) == ref.ref
+        assert staggered(llm, ref.prompts) == ref.ref
     else:
         raise ValueError(f"unknown regime {regime!r}; one of {', '.join(REGIMES)}")
     assert_all_free(llm)
