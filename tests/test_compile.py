@@ -7,8 +7,9 @@ compiles nothing and recompiles nothing: prompts of 1 to 70 tokens, prefill chun
 16-token budget, 3 slots for 7 requests so requests finish and others join, and a repeated
 prompt that hits the prefix cache (state checkpoints for hybrids).
 
-Cold compiles cost tens of seconds on CPU, so the default run covers one full-attention
-model and one hybrid; the other families are marked slow. Inductor writes to a private
+Cold compiles cost tens of seconds on CPU, so the default run covers a full-attention model,
+a Mamba2 hybrid and one model per state kind added since (short_conv: LFM2; KDA with MLA:
+Kimi-Linear; lightning attention: MiniMax); the other families are marked slow. Inductor writes to a private
 per-session cache (`compile_cache_dir`), so nothing leaks between sessions.
 """
 from __future__ import annotations
@@ -76,8 +77,8 @@ def _run(llm: LLM):
     pytest.param("zoo/nemotron-h-small.yaml", marks=pytest.mark.slow),     # mixer-only + MLP-only layers
     pytest.param("zoo/falcon-h1-small.yaml", marks=pytest.mark.slow),      # parallel attention + mamba2
     pytest.param("zoo/deepseek-v3-small.yaml", marks=pytest.mark.slow),     # mla (latent cache) + MoE
-    pytest.param("zoo/kimi-linear-small.yaml", marks=pytest.mark.slow),     # kda + mla (no rope) + MoE
-    pytest.param("zoo/minimax-small.yaml", marks=pytest.mark.slow),         # lightning attention + MoE
+    "zoo/kimi-linear-small.yaml",                                           # kda + mla (no rope) + MoE
+    "zoo/minimax-small.yaml",                                               # lightning attention + MoE
     pytest.param("zoo/qwen3.5-small.yaml", marks=pytest.mark.slow),         # DeltaNet, Qwen3.5's projections
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
