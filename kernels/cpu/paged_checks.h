@@ -40,6 +40,37 @@ inline void check_common(const char* op, const at::Tensor& q, const at::Tensor& 
   TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.dim() == 2, op, ": int32 block_table");
 }
 
+// What the paged attention kernels read of q, out, the cache and the block table: sizes and
+// element strides, taken once per call.
+struct PagedShape {
+  int64_t heads, kv_heads, group, dim, block_size, num_blocks;
+  int64_t page_stride;                    // elements from one block's page to the next (>= a page)
+  int64_t q_tok, q_head, o_tok, o_head;   // strides (elements) of q and out; last dim contiguous
+  int64_t bt_row, bt_col;                 // strides of the block table
+};
+
+// check_common, then the shape; q's head count must be a multiple of the cache's kv heads.
+inline PagedShape paged_shape(const char* op, const at::Tensor& q, const at::Tensor& kv_cache,
+                              const at::Tensor& block_table, const at::Tensor& out) {
+  check_common(op, q, kv_cache, block_table, out);
+  PagedShape s;
+  s.heads = q.size(1);
+  s.dim = q.size(2);
+  s.block_size = kv_cache.size(2);
+  s.kv_heads = kv_cache.size(3);
+  s.num_blocks = kv_cache.size(0);
+  s.page_stride = page_stride(kv_cache);
+  TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0, op, ": head shapes disagree");
+  s.group = s.heads / s.kv_heads;
+  s.q_tok = q.stride(0);
+  s.q_head = q.stride(1);
+  s.o_tok = out.stride(0);
+  s.o_head = out.stride(1);
+  s.bt_row = block_table.stride(0);
+  s.bt_col = block_table.stride(1);
+  return s;
+}
+
 // The optional per-query-head sink logits: nullptr when absent, else a contiguous CPU float32 [heads].
 inline const float* sinks_ptr(const char* op, const std::optional<at::Tensor>& sinks, int64_t heads) {
   if (!sinks.has_value()) return nullptr;

@@ -148,12 +148,7 @@ inline void prefetch_rows(const float* base, int64_t stride, int64_t rows, int64
   }
 }
 
-struct Shape {
-  int64_t heads, kv_heads, group, dim, block_size, num_blocks;
-  int64_t page_stride;                    // elements from one block's page to the next (>= a page)
-  int64_t q_tok, q_head, o_tok, o_head;   // strides (elements) of q and out; last dim contiguous
-  int64_t bt_row, bt_col;                 // strides of the block table
-};
+using Shape = zooinfer_paged::PagedShape;
 
 // Attention of decode `i` for kv heads [h0, h1) (query heads [h0 * group, h1 * group)).
 // `scratch` holds (h1 - h0) * group * (2 * dim + block_size + 10) floats.
@@ -243,28 +238,13 @@ void decode_one(const float* q, const float* cache, const int32_t* table, int64_
 void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& block_table,
                   const at::Tensor& rows, const at::Tensor& token_index, const at::Tensor& seq_lens,
                   int64_t window, double scale, const std::optional<at::Tensor>& sinks, const at::Tensor& out) {
-  zooinfer_paged::check_common("paged_decode", q, kv_cache, block_table, out);
-  const float* sp = zooinfer_paged::sinks_ptr("paged_decode", sinks, q.size(1));
   TORCH_CHECK(rows.scalar_type() == at::kLong && token_index.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong && rows.is_contiguous() && token_index.is_contiguous() &&
                   seq_lens.is_contiguous(), "paged_decode: contiguous int64 rows, token_index, seq_lens");
   const int64_t n = rows.numel();
   TORCH_CHECK(token_index.numel() == n && seq_lens.numel() == n, "paged_decode: one row, token, length per decode");
-  Shape s;
-  s.heads = q.size(1);
-  s.dim = q.size(2);
-  s.block_size = kv_cache.size(2);
-  s.kv_heads = kv_cache.size(3);
-  s.num_blocks = kv_cache.size(0);
-  s.page_stride = zooinfer_paged::page_stride(kv_cache);
-  TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0, "paged_decode: head shapes disagree");
-  s.group = s.heads / s.kv_heads;
-  s.q_tok = q.stride(0);
-  s.q_head = q.stride(1);
-  s.o_tok = out.stride(0);
-  s.o_head = out.stride(1);
-  s.bt_row = block_table.stride(0);
-  s.bt_col = block_table.stride(1);
+  const Shape s = zooinfer_paged::paged_shape("paged_decode", q, kv_cache, block_table, out);
+  const float* sp = zooinfer_paged::sinks_ptr("paged_decode", sinks, s.heads);
   const float* qp = q.data_ptr<float>();
   const float* cp = kv_cache.data_ptr<float>();
   const int32_t* bp = block_table.data_ptr<int32_t>();

@@ -99,11 +99,7 @@ inline float hsum(vf v) {
 
 inline vf vexp(vf x) { return zooinfer_vec::exp<vf, vi>(x); }   // see vec_exp.h
 
-struct Shape {
-  int64_t heads, kv_heads, group, dim, block_size, num_blocks;
-  int64_t page_stride;                    // elements from one block's page to the next (>= a page)
-  int64_t q_tok, q_head, o_tok, o_head;   // strides (elements) of q and out; last dim contiguous
-  int64_t bt_row, bt_col;                 // strides of the block table
+struct Shape : zooinfer_paged::PagedShape {
   int64_t window;
   float scale;
   const float* sinks;   // nullptr, or one logit per query head
@@ -285,7 +281,6 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
                    const at::Tensor& rows, const at::Tensor& query_start, const at::Tensor& query_lens,
                    const at::Tensor& seq_lens, int64_t window, double scale, const std::optional<at::Tensor>& sinks,
                    const at::Tensor& out) {
-  zooinfer_paged::check_common("paged_prefill", q, kv_cache, block_table, out);
   for (const at::Tensor* t : {&rows, &query_start, &query_lens, &seq_lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->dim() == 1,
                 "paged_prefill: contiguous 1-D int64 rows, query_start, query_lens, seq_lens");
@@ -293,21 +288,8 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   TORCH_CHECK(query_start.numel() == n && query_lens.numel() == n && seq_lens.numel() == n,
               "paged_prefill: one row, query start, query length and seq length per request");
   Shape s;
-  s.heads = q.size(1);
-  s.dim = q.size(2);
-  s.block_size = kv_cache.size(2);
-  s.kv_heads = kv_cache.size(3);
-  s.num_blocks = kv_cache.size(0);
-  s.page_stride = zooinfer_paged::page_stride(kv_cache);
-  TORCH_CHECK(kv_cache.size(4) == s.dim && s.heads % s.kv_heads == 0, "paged_prefill: head shapes disagree");
+  static_cast<zooinfer_paged::PagedShape&>(s) = zooinfer_paged::paged_shape("paged_prefill", q, kv_cache, block_table, out);
   TORCH_CHECK(s.dim <= 256, "paged_prefill: head_dim ", s.dim, " > 256 is not supported");
-  s.group = s.heads / s.kv_heads;
-  s.q_tok = q.stride(0);
-  s.q_head = q.stride(1);
-  s.o_tok = out.stride(0);
-  s.o_head = out.stride(1);
-  s.bt_row = block_table.stride(0);
-  s.bt_col = block_table.stride(1);
   s.window = window;
   s.scale = static_cast<float>(scale);
   s.sinks = zooinfer_paged::sinks_ptr("paged_prefill", sinks, s.heads);
