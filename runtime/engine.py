@@ -200,17 +200,22 @@ class Engine:
                     seqs.append(ids)
         params.bad_words_token_ids = seqs
 
-    @property
-    def grammars(self) -> GrammarCache:
-        """The compiled-grammar cache for this model's tokenizer (thread-safe: the server
-        compiles on worker threads before a request reaches the engine)."""
+    def _structured_outputs(self) -> StructuredOutputs:
+        """The matchers and grammar cache, made on first use (under a lock: the server asks
+        for the cache from worker threads)."""
         with self._structured_lock:
             if self._structured is None:
                 if self.tokenizer is None:
                     raise ParamError("structured_outputs: this model has no tokenizer to constrain", "structured_outputs")
                 self._structured = StructuredOutputs(GrammarCache(self.tokenizer, self.spec.vocab_size,
                                                                   list(self.eos_token_ids)))
-        return self._structured.grammars
+        return self._structured
+
+    @property
+    def grammars(self) -> GrammarCache:
+        """The compiled-grammar cache for this model's tokenizer (thread-safe: the server
+        compiles on worker threads before a request reaches the engine)."""
+        return self._structured_outputs().grammars
 
     def add_request(self, request: Request, stream_text: bool = False) -> list[str]:
         """Schedule a request; with n > 1 it becomes n samples (`parallel_sampling.fan_out`:
@@ -234,9 +239,9 @@ class Engine:
             raise
         self._detok.update(detoks)
         if request.sampling_params.structured_outputs is not None:
-            self.grammars      # noqa: B018 - makes the matcher registry
+            structured = self._structured_outputs()
             for s in samples:
-                self._structured.add(s.request_id, s.sampling_params.structured_outputs)
+                structured.add(s.request_id, s.sampling_params.structured_outputs)
         return [s.request_id for s in samples]
 
     # ------------------------------------------------------------- drivers above the engine
