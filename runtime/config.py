@@ -24,6 +24,8 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
+    tensor_parallel_size: int = 1           # ranks sharding the model (runtime/executor, models/parallel.py)
+    parallel_timeout_s: float = 60.0        # every collective's timeout; a dead rank is an error by then
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):
@@ -42,5 +44,11 @@ class EngineConfig:
             raise ValueError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
         if self.cuda_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={self.device!r}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        if not isinstance(self.parallel_timeout_s, (int, float)) or not self.parallel_timeout_s > 0:
+            raise ValueError(f"parallel_timeout_s must be a positive number, got {self.parallel_timeout_s!r}")
+        if self.tensor_parallel_size > 1 and (self.compile or self.cuda_graphs):
+            raise ValueError("tensor_parallel_size > 1 runs eager: compile and cuda_graphs are not supported with it yet")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

@@ -20,15 +20,15 @@ import torch
 
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
-from models import build_model, load_weights, resolve_spec
-from models.prepack import prepack_linears
+from models import resolve_spec
 from models.builder import DTYPES
+from models.parallel import shard_spec
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
-from runtime.worker.model_runner import ModelRunner
+from runtime.executor import make_executor
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.parallel_sampling import fan_out
 from runtime.request import Request, RequestStatus
@@ -72,14 +72,12 @@ class Engine:
         torch.manual_seed(config.seed)
         ckpt = checkpoint_dir(spec)
         phase("spec")
-        self.model = build_model(spec, config.device, dtype)
-        load_weights(self.model, spec)
+        if config.tensor_parallel_size > 1:
+            shard_spec(spec, config.tensor_parallel_size)     # one-line errors before any process starts
+        # The model (rank 0's shard with tensor parallelism), weights loaded and packed.
+        self.executor = make_executor(spec, config, dtype)
+        self.model = self.executor.model
         phase("weights")
-        if config.prepack_weights:   # only CPU float32 linears qualify; a no-op elsewhere
-            packed = prepack_linears(self.model)
-            if packed:
-                phase("prepack")
-                log.info("packed %d linear weights in %.2f s", packed, self.startup_seconds["prepack"])
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         eos = list(spec.eos_token_ids)
@@ -96,15 +94,16 @@ class Engine:
         self.scheduler = Scheduler(self.kv_manager, policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.model, kv_config, max_num_reqs=config.max_num_seqs,
+        self.executor.init_runner(kv_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   attention_backend=config.attention_backend, device=config.device,
                                   kv_dtype=dtype, compile=config.compile,
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
+        self.runner = self.executor.runner      # rank 0's runner
         phase("KV cache")
         if config.compile:
-            self.runner.warm_up()
+            self.executor.warm_up()
             phase("compile")
             log.info("compiled in %.1f s", self.startup_seconds["compile"])
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -268,6 +267,10 @@ class Engine:
             if self._structured is not None:
                 self._structured.remove(rid)
 
+    def shutdown(self) -> None:
+        """Stop the executor's worker processes (tensor parallel); a no-op for one process."""
+        self.executor.shutdown()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -278,7 +281,7 @@ class Engine:
         so = self.scheduler.schedule()
         if so.is_empty:
             # Only removals (and maybe fork copies) this step: the runner still applies them.
-            self.runner.execute(so)
+            self.executor.execute(so)
             self.scheduler.update(so, {})
             if self.scheduler.waiting and not self.scheduler.running:
                 # Sizing guarantees one max_model_len request fits, so this is a bug, and
@@ -288,7 +291,7 @@ class Engine:
             return []
         if self._structured is not None and self._structured.matchers:
             so.grammar_bitmask = self._structured.bitmask(self._sampling_now(so))
-        result = self.runner.execute(so)
+        result = self.executor.execute(so)
         updated = self.scheduler.update(so, result.sampled, result.logprobs)
         outputs = []
         for req in updated:

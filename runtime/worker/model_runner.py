@@ -231,13 +231,7 @@ class ModelRunner:
         if not len(sample_rows):
             return ModelRunnerOutput({}, None)
         meta = self._sampling_metadata(sample_rows, so.grammar_bitmask)
-        hidden = hidden[logits_index]
-        if meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
-                and meta.max_logprobs is None:
-            # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
-            out = SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
-        else:
-            out = self.sampler(self.model.compute_logits(hidden), meta)
+        out = self._sample(hidden[logits_index], meta)
 
         tokens = out.token_ids.cpu().numpy()
         own = ~b.external[sample_rows]         # external rows get their next token fed later
@@ -248,6 +242,19 @@ class ModelRunner:
         req_ids = [b.req_ids[r] for r in sample_rows.tolist()]
         sampled = dict(zip(req_ids, tokens.tolist()))
         return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))
+
+    @staticmethod
+    def _greedy_only(meta: SamplingMetadata) -> bool:
+        """Every row takes its argmax and nothing edits the logits or asks for logprobs."""
+        return meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
+            and meta.max_logprobs is None
+
+    def _sample(self, hidden: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The sampled rows' tokens from their final hidden states."""
+        if self._greedy_only(meta):
+            # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
+            return SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
+        return self.sampler(self.model.compute_logits(hidden), meta)
 
     def _sampling_metadata(self, rows: np.ndarray, grammar_bitmask=None) -> SamplingMetadata:
         b = self.batch
