@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -39,16 +38,19 @@ from models.spec import ModelSpec
 
 @dataclass
 class TPGroup:
-    """The tensor-parallel group a rank's model talks over, and the seconds its collectives
-    took (`comm_seconds`, for bench/parallel.py). size 1 / group None: no communication."""
+    """The tensor-parallel group a rank's model talks over (a c10d process group object:
+    gloo or NCCL, runtime/executor/multiproc.py), and the seconds its collectives took
+    (`comm_seconds`, for bench/parallel.py). Collectives wait on the group's timeout."""
     rank: int = 0
     size: int = 1
     group: object = None
+    store: object = None               # the TCP store the group was made from (kept alive with it)
     comm_seconds: float = field(default=0.0)
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum of every rank's `t`, in place."""
         start = time.perf_counter()
-        dist.all_reduce(t, group=self.group)
+        self.group.allreduce([t]).wait()
         self.comm_seconds += time.perf_counter() - start
         return t
 
@@ -56,13 +58,14 @@ class TPGroup:
         """[size, *t.shape]: every rank's `t`, by rank."""
         start = time.perf_counter()
         out = t.new_empty((self.size * t.shape[0], *t.shape[1:]))
-        dist.all_gather_into_tensor(out, t.contiguous(), group=self.group)
+        self.group._allgather_base(out, t.contiguous()).wait()     # the backend's all_gather_into_tensor
         self.comm_seconds += time.perf_counter() - start
         return out.view(self.size, *t.shape)
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `t` on every rank, in place."""
         start = time.perf_counter()
-        dist.broadcast(t, src, group=self.group)
+        self.group.broadcast(t, src).wait()
         self.comm_seconds += time.perf_counter() - start
         return t
 

@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the spec's)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (cuda + flashinfer)")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks sharding the model, one process each (gloo on CPU, NCCL on CUDA)")
     ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                     help="priority: requests' `priority` field orders admission and preemption (lower first)")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                               compile_cache_dir=args.compile_cache_dir, attention_backend=args.attention_backend,
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                               enable_prefix_caching=not args.no_prefix_caching,
-                              prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy)
+                              prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy,
+                              tensor_parallel_size=args.tensor_parallel_size)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -173,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:          # an unknown tool parser (flag or spec)
         print(f"error: {e}", file=sys.stderr)
         async_engine.shutdown()
+        engine.shutdown()
         sock.close()
         return 2
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
@@ -181,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         server.run(sockets=[sock])
     except KeyboardInterrupt:   # uvicorn re-raises SIGINT after a clean shutdown
         pass
+    finally:
+        async_engine.shutdown()
+        engine.shutdown()       # tensor-parallel workers stop with the server
     return 0
 
 

@@ -31,6 +31,7 @@ from runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 from runtime.worker.sampler import SamplerOutput
 
 log = logging.getLogger("zooinfer")
+STARTUP_TIMEOUT_S = 600.0      # a worker's start (imports, its shard of the weights) at most this long
 
 
 class TPModelRunner(ModelRunner):
@@ -54,13 +55,21 @@ def rank_device(device: str, rank: int) -> str:
 
 
 def init_group(rank: int, world: int, port: int, timeout_s: float, device: str) -> TPGroup:
-    backend = "nccl" if str(device).startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank_device(device, rank))
+    """A process group of its own (not torch.distributed's default one, so one process can
+    hold several tensor-parallel engines): a TCP store served by rank 0 on `port`, gloo on
+    CPU, NCCL on CUDA (unverified here), every collective under `timeout_s`."""
+    timeout = timedelta(seconds=timeout_s)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
-    return TPGroup(rank, world, dist.group.WORLD)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore("zooinfer-tp", store)
+    if str(device).startswith("cuda"):
+        torch.cuda.set_device(rank_device(device, rank))
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        group = dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, world, timeout)
+    return TPGroup(rank, world, group, store=store)
 
 
 def _worker(rank: int, world: int, port: int, spec, config, dtype, threads: int, conn) -> None:
@@ -98,9 +107,6 @@ def _worker(rank: int, world: int, port: int, spec, config, dtype, threads: int,
         except (BrokenPipeError, OSError):
             pass
         os._exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -188,7 +194,9 @@ class MultiprocExecutor(Executor):
         while dead is None and time.monotonic() < deadline:
             time.sleep(0.05)
             dead = self._dead()
-        self.error = dead or WorkerDiedError(f"tensor-parallel rank 0 failed: {type(e).__name__}: {e}")
+        self.error = dead or WorkerDiedError(
+            f"tensor-parallel step failed on rank 0 with every worker still running (a stuck rank times out "
+            f"after {self.timeout_s:g} s): {type(e).__name__}: {e}")
         return self.error
 
     def _check(self) -> None:
@@ -198,13 +206,15 @@ class MultiprocExecutor(Executor):
             raise self.error
 
     def _wait_ready(self) -> None:
-        """Each worker's "ready" (or its error) within the timeout."""
-        deadline = time.monotonic() + self.timeout_s
+        """Each worker's "ready" (or its error): at once when one exits, else within the
+        start-up timeout (loading a large checkpoint can outlast a collective's timeout)."""
+        limit = max(self.timeout_s, STARTUP_TIMEOUT_S)
+        deadline = time.monotonic() + limit
         for rank, c in enumerate(self.conns, start=1):
             while not c.poll(0.1):
                 if self.procs[rank - 1].exitcode is not None or time.monotonic() > deadline:
                     self.error = self._dead() or WorkerDiedError(
-                        f"tensor-parallel rank {rank} not ready within {self.timeout_s:g} s")
+                        f"tensor-parallel rank {rank} not ready within {limit:g} s")
                     raise self.error
             op, arg = c.recv()
             if op != "ready":
@@ -238,8 +248,6 @@ class MultiprocExecutor(Executor):
 
     def shutdown(self) -> None:
         self._finalizer()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
     @property
     def worker_pids(self) -> list[int]:
