@@ -175,3 +175,56 @@ def test_stuck_worker_times_out():
             assert time.monotonic() - start < 3 + 5
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+SERVER_TESTS = ("test_completion_matches_offline_greedy", "test_chat_completion_uses_the_chat_template",
+                "test_streaming_equals_non_streaming", "test_n_and_seeds", "test_stop_strings", "test_logprobs",
+                "test_error_responses", "test_load_with_disconnects")
+
+
+@pytest.mark.slow      # ~60-90 s on 2 shared cores: a server start with two ranks and eight server tests
+def test_server_with_tensor_parallel_size_2(tmp_path):
+    """`serve --tensor-parallel-size 2` passes the server tests (tests/test_server.py, run
+    against it); a killed worker then turns /health into 503 and requests into a clear error;
+    SIGINT leaves no worker behind."""
+    import httpx
+    import openai
+    import psutil
+
+    from tests import test_server
+    from tests.serving import running_server, tiny_chat_spec
+
+    spec = tiny_chat_spec(tmp_path)
+    key = test_server.KEY
+    with running_server(spec, "--api-key", key, "--max-body-bytes", "20000", "--body-timeout", "3",
+                        "--tensor-parallel-size", "2") as (proc, base):
+        workers = [c for c in psutil.Process(proc.pid).children() if "spawn_main" in " ".join(c.cmdline())
+                   and "resource_tracker" not in " ".join(c.cmdline())]
+        assert len(workers) == 1
+        client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=60)
+        llm = LLM(spec)
+        for name in SERVER_TESTS:
+            fn = getattr(test_server, name)
+            args = {"client": client, "llm": llm, "server": base}
+            fn(**{k: args[k] for k in fn.__code__.co_varnames[:fn.__code__.co_argcount]})
+        workers[0].kill()
+        deadline = time.monotonic() + 10
+        while not _dead(workers[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(openai.APIError, match="rank 1"):
+            client.completions.create(model="tiny-chat", prompt="Hello", max_tokens=4)
+        health = httpx.get(base + "/health")
+        assert health.status_code == 503 and "rank 1" in health.json()["error"]
+    deadline = time.monotonic() + 10
+    while not all(_dead(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(_dead(w) for w in workers)
+
+
+def _dead(proc) -> bool:
+    """Gone, or a zombie its parent has not reaped yet (psutil.Process)."""
+    import psutil
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
