@@ -255,6 +255,12 @@ def shard_model(full: CausalLM, rank_spec: ModelSpec, tp: TPGroup) -> tuple[TPCa
                            tp.rank, tp.size, name))
             if d > 0:
                 sharded_last.add(name)
+        for name, buf in model.named_buffers():   # rotary tables as built; any other buffer from `full`
+            fb = full.get_buffer(name)
+            if fb.shape != buf.shape:
+                raise ValueError(f"tensor parallel: buffer {name} has no split rule ({tuple(fb.shape)} -> "
+                                 f"{tuple(buf.shape)})")
+            buf.copy_(fb)
         _shard_vocab(full, model, tp)
     row_parallel = _row_parallel(model, sharded_last, tp)
     for name, module in model.named_modules():
