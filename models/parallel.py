@@ -7,7 +7,7 @@ code here. `shard_model` then fills the rank model from the whole one: every par
 whose shape shrank in one dim takes its rank's slice of that dim, block by block
 (`_segments`: fused q | k | v, gate | up, Mamba2's z | x | B | C | dt ...); a block with
 fewer shards than ranks (KV heads, Mamba2 groups) is replicated, rank r taking shard
-r * n // tp. Parameters that shrank in a later dim are inputs of a row-parallel product:
+r * n // tp. Weights that shrank in their input (last) dim make a row-parallel product:
 their module's output is all-reduced (a forward hook, so weight packing and module types
 stay as they are) and its bias is kept on rank 0 only. An MoE block's routed experts and
 shared expert are split in their intermediate dim and the block's summed output is reduced
@@ -238,7 +238,7 @@ def shard_model(full: CausalLM, rank_spec: ModelSpec, tp: TPGroup) -> tuple[TPCa
         f_seg, r_seg = kind.tp.segments(fm), kind.tp.segments(rm)
         declared.update({prefix + k: (f_seg[k], r_seg[k]) for k in f_seg if k in r_seg})
     full_src, rank_src = full.weight_sources(), model.weight_sources()
-    sharded_last: set[str] = set()       # params split along a later dim (row-parallel inputs)
+    sharded_last: set[str] = set()       # weights split along their input (last) dim: row parallel
     with torch.no_grad():
         for name, rp in model.named_parameters():
             if name.startswith(("embed_tokens.", "lm_head.")):
@@ -253,7 +253,7 @@ def shard_model(full: CausalLM, rank_spec: ModelSpec, tp: TPGroup) -> tuple[TPCa
             d = dims[0]
             rp.copy_(_take(fp, d, *_segments(name, full, model, d, full_src, rank_src, declared),
                            tp.rank, tp.size, name))
-            if d > 0:
+            if d == fp.dim() - 1 and d > 0 and not name.endswith("bias"):   # a weight's input dim
                 sharded_last.add(name)
         for name, buf in model.named_buffers():   # rotary tables as built; any other buffer from `full`
             fb = full.get_buffer(name)
@@ -301,8 +301,8 @@ def _shard_vocab(full: CausalLM, model: TPCausalLM, tp: TPGroup) -> None:
 
 def _row_parallel(model: TPCausalLM, sharded_last: set[str], tp: TPGroup) -> list[str]:
     """Modules whose output is a partial sum: an MoE block with split experts (reduced once,
-    its parts not), else each module owning a param split in a later dim. Their biases stay on
-    rank 0 only, so the reduced sum adds them once."""
+    its parts not), else each module owning a weight split in its input dim. Their output
+    biases stay on rank 0 only, so the reduced sum adds them once."""
     moe = [n for n, m in model.named_modules() if isinstance(m, MoE)
            and any(p.startswith(n + ".") for p in sharded_last)]
     names: list[str] = list(moe)

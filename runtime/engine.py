@@ -85,11 +85,15 @@ class Engine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = tuple(eos)
         phase("tokenizer")
-        kv_config = make_kv_cache_config(
-            self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
-            num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
-            min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            chunk_tokens=config.max_num_batched_tokens)
+        try:
+            kv_config = make_kv_cache_config(
+                self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
+                num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
+                min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                chunk_tokens=config.max_num_batched_tokens)
+        except ValueError:
+            self.executor.shutdown()        # a pool too small: no worker process outlives the failed start
+            raise
         self.kv_manager = KVCacheManager(kv_config, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,

@@ -228,3 +228,36 @@ def _dead(proc) -> bool:
         return proc.status() == psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return True
+
+
+@pytest.mark.slow      # ~20 s: two worker starts' worth
+def test_failed_start_leaves_no_worker():
+    """A pool too small for one request fails the start after the workers are up: they stop."""
+    import psutil
+    before = {c.pid for c in psutil.Process().children()}
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        LLM(ZOO / "smollm2-tiny.yaml", tensor_parallel_size=2, num_kv_blocks=3, max_model_len=128)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        new = [c for c in psutil.Process().children() if c.pid not in before and not _dead(c)
+               and "resource_tracker" not in " ".join(c.cmdline())]
+        if not new:
+            break
+        time.sleep(0.05)
+    assert not new, new
+
+
+@pytest.mark.slow      # ~15 s each: more families (biases and sinks, MoE, hybrids of both kinds)
+@pytest.mark.parametrize("name", ["gpt-oss-small", "qwen3-moe-small", "granite-hybrid-small", "falcon-h1-small",
+                                  "nemotron-h-small", "qwen3.5-small", "smollm3-small"])
+def test_tp2_more_families(name):
+    knobs = dict(max_num_batched_tokens=16, max_model_len=128, num_kv_blocks=64)
+    prompts = _prompts(512)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(ZOO / f"{name}.yaml", **knobs).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert len({tuple(r) for r in ref}) == len(ref)
+    with tp_llm(ZOO / f"{name}.yaml", tensor_parallel_size=2, **knobs) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                            use_tqdm=False)]
+    assert got == ref

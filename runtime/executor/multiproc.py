@@ -189,7 +189,7 @@ class MultiprocExecutor(Executor):
     def _failure(self, e: BaseException) -> WorkerDiedError:
         """What a failed step or start-up becomes: the dead rank's error when one died (given a
         moment to be seen), else rank 0's own error."""
-        deadline = time.monotonic() + 3.0
+        deadline = time.monotonic() + 1.0
         dead = self._dead()
         while dead is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -227,10 +227,15 @@ class MultiprocExecutor(Executor):
 
     # ------------------------------------------------------------- the executor
     def init_runner(self, kv_config, **runner_kwargs) -> None:
-        self._check()
-        self._broadcast("runner", (kv_config, runner_kwargs))
-        self.runner = TPModelRunner(self.model, kv_config, tp=self.tp, **{**runner_kwargs, "device": self.device})
-        self._wait_ready()
+        """Every rank's runner over the same KV cache config (rank 0's), so the same block ids."""
+        try:
+            self._check()
+            self._broadcast("runner", (kv_config, runner_kwargs))
+            self.runner = TPModelRunner(self.model, kv_config, tp=self.tp, **{**runner_kwargs, "device": self.device})
+            self._wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
 
     def warm_up(self) -> None:
         self._run("warm_up", None, self.runner.warm_up)
