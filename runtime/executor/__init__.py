@@ -10,12 +10,16 @@ SchedulerOutput from the engine, and only rank 0's sampled tokens come back.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from models import build_model, load_weights
 from models.parallel import TPGroup, install_reductions, tp_model
 from models.prepack import prepack_linears
 from runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
+
+log = logging.getLogger("zooinfer")
 
 
 class WorkerDiedError(RuntimeError):
@@ -31,7 +35,9 @@ def load_model(spec, dtype: torch.dtype, device: str, prepack: bool, tp: TPGroup
     if tp is not None and tp.size > 1:
         model, reduced = tp_model(model, tp)
     if prepack:       # only CPU float32 linears qualify; a no-op elsewhere
-        prepack_linears(model)
+        packed = prepack_linears(model)
+        if packed:
+            log.info("packed %d linear weights", packed)
     if reduced:
         install_reductions(model, reduced, tp)
     return model
