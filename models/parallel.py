@@ -38,8 +38,9 @@ from models.spec import ModelSpec
 
 @dataclass
 class TPGroup:
-    """The tensor-parallel group a rank's model talks over (a c10d process group object:
-    gloo or NCCL, runtime/executor/multiproc.py), and the seconds its collectives took
+    """The group a rank's model talks over (a c10d process group object: gloo or NCCL,
+    runtime/executor/multiproc.py; tensor-parallel ranks, or pipeline stages, which use
+    `send` / `recv` and `broadcast`), and the seconds its collectives took
     (`comm_seconds`, for bench/parallel.py). Collectives wait on the group's timeout."""
     rank: int = 0
     size: int = 1
@@ -61,6 +62,20 @@ class TPGroup:
         self.group._allgather_base(out, t.contiguous()).wait()     # the backend's all_gather_into_tensor
         self.comm_seconds += time.perf_counter() - start
         return out.view(self.size, *t.shape)
+
+    def send(self, t: torch.Tensor, dst: int):
+        """Start sending `t` to rank `dst` (pipeline stages); returns the work to wait on."""
+        start = time.perf_counter()
+        work = self.group.send([t.contiguous()], dst, 0)
+        self.comm_seconds += time.perf_counter() - start
+        return work
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank `src`'s next `send`, into `t`."""
+        start = time.perf_counter()
+        self.group.recv([t], src, 0).wait()
+        self.comm_seconds += time.perf_counter() - start
+        return t
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `t` on every rank, in place."""

@@ -25,6 +25,7 @@ class EngineConfig:
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
     tensor_parallel_size: int = 1           # ranks sharding the model (runtime/executor, models/parallel.py)
+    pipeline_parallel_size: int = 1         # stages of contiguous layers, one process each (models/pipeline.py)
     parallel_timeout_s: float = 60.0        # every collective's timeout; a dead rank is an error by then
 
     def validate(self) -> None:
@@ -44,11 +45,16 @@ class EngineConfig:
             raise ValueError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
         if self.cuda_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={self.device!r}")
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both exceed 1 yet")
         if not isinstance(self.parallel_timeout_s, (int, float)) or not self.parallel_timeout_s > 0:
             raise ValueError(f"parallel_timeout_s must be a positive number, got {self.parallel_timeout_s!r}")
-        if self.tensor_parallel_size > 1 and (self.compile or self.cuda_graphs):
-            raise ValueError("tensor_parallel_size > 1 runs eager: compile and cuda_graphs are not supported with it yet")
+        if max(self.tensor_parallel_size, self.pipeline_parallel_size) > 1 and (self.compile or self.cuda_graphs):
+            raise ValueError("tensor / pipeline parallel runs eager: compile and cuda_graphs are not supported with "
+                             "it yet")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

@@ -23,6 +23,7 @@ from cache.sizing import make_kv_cache_config, requests_that_fit
 from models import resolve_spec
 from models.builder import DTYPES
 from models.parallel import shard_spec
+from models.pipeline import stage_layers
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
@@ -72,8 +73,10 @@ class Engine:
         torch.manual_seed(config.seed)
         ckpt = checkpoint_dir(spec)
         phase("spec")
-        if config.tensor_parallel_size > 1:
-            shard_spec(spec, config.tensor_parallel_size)     # one-line errors before any process starts
+        if config.tensor_parallel_size > 1:                   # one-line errors before any process starts
+            shard_spec(spec, config.tensor_parallel_size)
+        if config.pipeline_parallel_size > 1:
+            stage_layers(spec, config.pipeline_parallel_size)
         # The model (rank 0's shard with tensor parallelism), weights loaded and packed.
         self.executor = make_executor(spec, config, dtype)
         self.model = self.executor.model

@@ -1,4 +1,4 @@
-"""MultiprocExecutor: tensor-parallel ranks as processes in one torch.distributed group.
+"""MultiprocExecutor: tensor-parallel ranks (or pipeline stages) as processes in one group.
 
 Rank 0 is the engine's own process (its runner is `executor.runner`); ranks 1.. are worker
 processes (spawned) that build the same shard layout (models/parallel.py), receive every
@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from models.parallel import TPGroup
 from runtime.executor import Executor, WorkerDiedError, load_model
+from runtime.executor.pipeline import PPModelRunner, pipeline_step
 from runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 from runtime.worker.sampler import SamplerOutput
 
@@ -79,8 +80,8 @@ def _worker(rank: int, world: int, port: int, spec, config, dtype, threads: int,
     try:
         device = rank_device(config.device, rank)
         conn.send(("ready", None))          # imported and alive: the engine may wait for the group now
-        tp = init_group(rank, world, port, config.parallel_timeout_s, config.device)
-        model = load_model(spec, dtype, device, config.prepack_weights, tp)
+        group = init_group(rank, world, port, config.parallel_timeout_s, config.device)
+        model = _load(spec, config, dtype, device, group)
         runner = None
         conn.send(("ready", None))
         while True:
@@ -90,10 +91,10 @@ def _worker(rank: int, world: int, port: int, spec, config, dtype, threads: int,
                 continue
             op, arg = conn.recv()
             if op == "step":
-                runner.execute(arg)
+                run_step(runner, arg)
             elif op == "runner":
                 kv_config, kwargs = arg
-                runner = TPModelRunner(model, kv_config, tp=tp, **{**kwargs, "device": device})
+                runner = make_runner(model, kv_config, group, config, {**kwargs, "device": device})
                 conn.send(("ready", None))
             elif op == "warm_up":
                 runner.warm_up()
@@ -107,6 +108,28 @@ def _worker(rank: int, world: int, port: int, spec, config, dtype, threads: int,
         except (BrokenPipeError, OSError):
             pass
         os._exit(1)
+
+
+def _pipeline(config) -> bool:
+    return config.pipeline_parallel_size > 1
+
+
+def _load(spec, config, dtype, device: str, group: TPGroup):
+    """This rank's model: its tensor-parallel shard, or its pipeline stage."""
+    if _pipeline(config):
+        return load_model(spec, dtype, device, config.prepack_weights, pp=group)
+    return load_model(spec, dtype, device, config.prepack_weights, tp=group)
+
+
+def make_runner(model, kv_config, group: TPGroup, config, kwargs: dict) -> ModelRunner:
+    if _pipeline(config):
+        return PPModelRunner(model, kv_config, pp=group, **kwargs)
+    return TPModelRunner(model, kv_config, tp=group, **kwargs)
+
+
+def run_step(runner: ModelRunner, so) -> ModelRunnerOutput:
+    """One step on this rank: pipeline stages in micro-batches, tensor-parallel ranks whole."""
+    return pipeline_step(runner, so) if isinstance(runner, PPModelRunner) else runner.execute(so)
 
 
 def _free_port() -> int:
@@ -138,7 +161,8 @@ def _stop_workers(procs, conns, timeout: float = 5.0) -> None:
 
 class MultiprocExecutor(Executor):
     def __init__(self, spec, config, dtype: torch.dtype):
-        world = config.tensor_parallel_size
+        world = config.tensor_parallel_size * config.pipeline_parallel_size
+        self.config = config
         self.timeout_s = config.parallel_timeout_s
         self.error: WorkerDiedError | None = None
         ctx = mp.get_context("spawn")
@@ -156,9 +180,9 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
         try:
             self._wait_ready()              # every worker started (a failed import is an error now, not a timeout)
-            self.tp = init_group(0, world, port, self.timeout_s, config.device)
+            self.tp = init_group(0, world, port, self.timeout_s, config.device)   # the rank group, TP or PP
             self.device = rank_device(config.device, 0)
-            self.model = load_model(spec, dtype, self.device, config.prepack_weights, self.tp)
+            self.model = _load(spec, config, dtype, self.device, self.tp)
             self._wait_ready()
         except WorkerDiedError:
             self.shutdown()
@@ -231,7 +255,8 @@ class MultiprocExecutor(Executor):
         try:
             self._check()
             self._broadcast("runner", (kv_config, runner_kwargs))
-            self.runner = TPModelRunner(self.model, kv_config, tp=self.tp, **{**runner_kwargs, "device": self.device})
+            self.runner = make_runner(self.model, kv_config, self.tp, self.config,
+                                      {**runner_kwargs, "device": self.device})
             self._wait_ready()
         except BaseException:
             self.shutdown()
@@ -241,7 +266,7 @@ class MultiprocExecutor(Executor):
         self._run("warm_up", None, self.runner.warm_up)
 
     def execute(self, so) -> ModelRunnerOutput:
-        return self._run("step", so, lambda: self.runner.execute(so))
+        return self._run("step", so, lambda: run_step(self.runner, so))
 
     def _run(self, op: str, arg, own):
         self._check()

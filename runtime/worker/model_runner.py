@@ -176,8 +176,14 @@ class ModelRunner:
         self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish_step(self.forward_step(so))
+
+    @torch.inference_mode()
+    def forward_step(self, so: SchedulerOutput):
+        """A step up to its final hidden states (batch delta, inputs, forward, page copies);
+        `finish_step` samples. Pipeline stages run several of these before finishing any
+        (runtime/executor/multiproc.py: micro-batches in flight)."""
         self._update_batch(so)
         b = self.batch
         rows = np.fromiter((b.req_id_to_row[r] for r in so.num_scheduled_tokens), dtype=np.int64,
@@ -227,10 +233,19 @@ class ModelRunner:
                 self.forward(ids_t, pos_t, self.kv_caches)
         self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
+        return hidden, rows, done, logits_index, so.grammar_bitmask
+
+    @torch.inference_mode()
+    def finish_step(self, pending) -> ModelRunnerOutput:
+        """The sampled tokens of a `forward_step` (which may have finished the step already)."""
+        if isinstance(pending, ModelRunnerOutput):
+            return pending
+        hidden, rows, done, logits_index, grammar_bitmask = pending
+        b = self.batch
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput({}, None)
-        meta = self._sampling_metadata(sample_rows, so.grammar_bitmask)
+        meta = self._sampling_metadata(sample_rows, grammar_bitmask)
         out = self._sample(hidden[logits_index], meta)
 
         tokens = out.token_ids.cpu().numpy()
