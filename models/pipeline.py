@@ -76,19 +76,23 @@ class PPStageModel(CausalLM):
 
 @torch.no_grad()
 def free_other_stages(model: PPStageModel) -> None:
-    """Drop the weights this stage never reads (other stages' layers; the embedding unless
-    first or tied to a last stage's head; the head and final norm unless last)."""
-    keep = {id(p) for i in model.layer_range for p in model.layers[i].parameters()}
-    if model.first or (model.last and model.spec.tie_word_embeddings):
-        keep.add(id(model.embed_tokens.weight))
-    if model.last:
-        keep.update(id(p) for p in model.lm_head.parameters())
-        keep.update(id(p) for p in model.norm.parameters())
-    for module in model.modules():
-        for name, p in list(module.named_parameters(recurse=False)):
-            if id(p) not in keep:
-                p.data = p.data.new_empty(0)
-        for attr in ("packed", "screen"):   # a packed linear's panels (models/prepack.py) of a dropped weight
-            if getattr(module, "weight", None) is not None and module.weight.numel() == 0 and \
-                    getattr(module, attr, None) is not None:
-                setattr(module, attr, None if attr == "screen" else module.packed.new_empty(0))
+    """Drop what this stage never runs: other stages' layers, the embedding unless first, the
+    final norm and LM head unless last (their weights, and a packed linear's panels). A
+    weight the stage does run stays, though a dropped module shares it (a tied embedding)."""
+    dropped = [layer for i, layer in enumerate(model.layers) if i not in model.layer_range]
+    if not model.first:
+        dropped.append(model.embed_tokens)
+    if not model.last:
+        dropped += [model.norm, model.lm_head]
+    kept = [model.layers[i] for i in model.layer_range] + ([model.embed_tokens] if model.first else []) + \
+        ([model.norm, model.lm_head] if model.last else [])
+    keep = {id(p) for m in kept for p in m.parameters()}
+    for root in dropped:
+        for module in root.modules():
+            for p in module.parameters(recurse=False):
+                if id(p) not in keep:
+                    p.data = p.data.new_empty(0)
+            if getattr(module, "packed", None) is not None:      # models/prepack.PackedLinear
+                module.packed = module.packed.new_empty(0)
+            if getattr(module, "screen", None) is not None:
+                module.screen = None

@@ -1,6 +1,7 @@
-"""Tensor parallel on CPU (gloo, one torch thread per rank, fp32): tp=2 gives tp=1's tokens.
+"""Tensor and pipeline parallel on CPU (gloo, one torch thread per rank, fp32): tp=2 and pp=2
+give tp=1's tokens.
 
-Each model runs one workload at tp=1 and tp=2 under the same engine knobs: chunked prefill
+Each model runs one workload at tp=1, tp=2 and pp=2 under the same engine knobs: chunked prefill
 (a 16-token budget), a pool tight enough to preempt, prefix caching (prompts sharing two
 blocks arrive after the first is cached) and staggered arrivals; greedy tokens, preemption
 counts and prefix-hit counts must be equal, and every block must come back. Worker processes
@@ -85,8 +86,11 @@ def smollm2_tp2():
         yield llm
 
 
+PP_SLOW = {"mistral-sw-small", "qwen3-next-small", "deepseek-v3-small"}   # their pp=2 runs with -m slow (time budget)
+
+
 @pytest.mark.parametrize("name", list(MODELS))
-def test_tp2_matches_tp1(name, request):
+def test_tp2_and_pp2_match_tp1(name, request):
     ref, ref_stats = _workload(LLM(ZOO / f"{name}.yaml", **_knobs(name)))
     assert len({tuple(r) for r in ref}) == len(ref), "outputs must vary across prompts"
     assert ref_stats["num_preemptions"] > 0 and ref_stats["prefix_cache_hits"] > 0, ref_stats
@@ -95,6 +99,30 @@ def test_tp2_matches_tp1(name, request):
     else:
         with tp_llm(ZOO / f"{name}.yaml", tensor_parallel_size=2, **_knobs(name)) as llm:
             got, stats = _workload(llm)
+    assert got == ref
+    assert stats == ref_stats
+    if name not in PP_SLOW:
+        _check_pp2(name, ref, ref_stats)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(PP_SLOW))
+def test_pp2_matches_tp1_slow(name):
+    ref, ref_stats = _workload(LLM(ZOO / f"{name}.yaml", **_knobs(name)))
+    _check_pp2(name, ref, ref_stats)
+
+
+def _check_pp2(name: str, ref, ref_stats) -> None:
+    """pp=2: two stages of half the layers each, every step as two micro-batches."""
+    with tp_llm(ZOO / f"{name}.yaml", pipeline_parallel_size=2, **_knobs(name)) as llm:
+        got, stats = _workload(llm)
+        model = llm.engine.model
+        half = llm.engine.spec.num_layers // 2
+        assert list(model.layer_range) == list(range(half))
+        assert all(p.numel() == 0 for p in model.layers[-1].parameters())         # stage 1's layers dropped here
+        assert getattr(model.lm_head, "packed", model.lm_head.weight).numel() == 0
+        if name == "smollm2-tiny":          # sampled rows and logprobs come back from the last stage
+            _check_sampled(llm)
     assert got == ref
     assert stats == ref_stats
 
@@ -119,17 +147,21 @@ def test_shards_are_halves(smollm2_tp2):
 def test_sampled_and_logprobs_match(smollm2_tp2):
     """Seeded sampling gathers the full logits and broadcasts rank 0's draw: same tokens,
     logprobs within float32 tolerance."""
+    _check_sampled(smollm2_tp2)
+
+
+def _check_sampled(llm: LLM) -> None:
     params = SamplingParams(temperature=1.0, top_k=50, seed=3, max_tokens=8, logprobs=2)
     prompts = [{"prompt_token_ids": p} for p in _prompts(49152)[:3]]
     ref = LLM(ZOO / "smollm2-tiny.yaml", **_knobs("smollm2-tiny")).generate(prompts, params, use_tqdm=False)
-    got = smollm2_tp2.generate(prompts, params, use_tqdm=False)
+    got = llm.generate(prompts, params, use_tqdm=False)
     assert len({tuple(r.outputs[0].token_ids) for r in ref}) == len(ref)
     for r, g in zip(ref, got):
         assert g.outputs[0].token_ids == r.outputs[0].token_ids
         for lr, lg in zip(r.outputs[0].logprobs, g.outputs[0].logprobs):
             assert lr.keys() == lg.keys()
             assert all(abs(lr[t].logprob - lg[t].logprob) < 1e-4 for t in lr)
-    assert_all_free(smollm2_tp2)
+    assert_all_free(llm)
 
 
 def test_startup_checks_are_one_line():
@@ -140,6 +172,10 @@ def test_startup_checks_are_one_line():
         LLM(ZOO / "lfm2-small.yaml", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="compile and cuda_graphs are not supported"):
         LLM(ZOO / "smollm2-tiny.yaml", tensor_parallel_size=2, compile=True)
+    with pytest.raises(ValueError, match=r"^pipeline_parallel_size 3: layers.num is 2; .*must divide it$"):
+        LLM(ZOO / "smollm2-tiny.yaml", pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="cannot both exceed 1"):
+        LLM(ZOO / "smollm2-tiny.yaml", pipeline_parallel_size=2, tensor_parallel_size=2)
 
 
 def test_killed_worker_is_a_clear_error():
@@ -159,6 +195,7 @@ def test_killed_worker_is_a_clear_error():
             engine.step()
 
 
+@pytest.mark.slow      # ~20 s: the timeout, then a stopped rank's own timeout at shutdown
 def test_stuck_worker_times_out():
     """A rank that stops answering (SIGSTOP) fails the step within the collective timeout."""
     with tp_llm(ZOO / "smollm2-tiny.yaml", tensor_parallel_size=2, max_model_len=128,
@@ -261,3 +298,21 @@ def test_tp2_more_families(name):
         got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                             use_tqdm=False)]
     assert got == ref
+
+
+def test_micro_batches_split_one_step():
+    """A step's requests as two micro-batches of about half the tokens each: the batch delta
+    and the copies before the forward go with the first, the copies after it with the second."""
+    from runtime.executor.pipeline import split_micro_batches
+    from runtime.scheduler import SchedulerOutput
+    so = SchedulerOutput(num_scheduled_tokens={"a": 9, "b": 1, "c": 1, "d": 7}, total_num_scheduled_tokens=18,
+                         finished_req_ids={"x"}, copies_before=[(0, [1], [2])], copies_after=[(0, [3], [4])],
+                         new_block_ids={"b": [[5]]})
+    first, second = split_micro_batches(so)
+    assert first.num_scheduled_tokens == {"a": 9} and first.total_num_scheduled_tokens == 9
+    assert second.num_scheduled_tokens == {"b": 1, "c": 1, "d": 7} and second.total_num_scheduled_tokens == 9
+    assert first.finished_req_ids == {"x"} and first.new_block_ids == {"b": [[5]]} and not second.new_block_ids
+    assert first.copies_before == [(0, [1], [2])] and not second.copies_before
+    assert not first.copies_after and second.copies_after == [(0, [3], [4])]
+    assert split_micro_batches(SchedulerOutput(num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3))[0] \
+        .num_scheduled_tokens == {"a": 3}
