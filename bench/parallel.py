@@ -1,6 +1,6 @@
 """Tensor-parallel step time, split into compute and communication, at tp = 1 and 2.
 
-    python -m bench.parallel [--tp 1,2] [--batch 16] [--prompt-len 128] [--decode-steps 20]
+    python -m bench.parallel [--tp 1,2] [--pp 2] [--batch 16] [--prompt-len 128] [--decode-steps 20]
         [--threads 1] [--model SPEC]
 
 Default model: a random Llama-shaped spec (hidden 512, 8 layers, 8 query / 4 KV heads of 64,
@@ -12,7 +12,8 @@ two cores and tp=1 one of them).
 
 Per step, on rank 0: wall time of `Engine.step`, and the seconds spent in the model's
 collectives (`TPGroup.comm_seconds`: all-reduces after each row-parallel product and the
-embedding, the vocab-parallel greedy (max, index) exchange). Communication includes the
+embedding, the vocab-parallel greedy (max, index) exchange; with `--pp`, a row for that many
+pipeline stages: the sends to stage 1 and the wait for the last stage's tokens). Communication includes the
 wait for the slower rank, so it also measures load imbalance; compute is the rest (rank 0's
 scheduling, input prep and its shard's forward). Medians over the timed steps.
 """
@@ -48,8 +49,8 @@ checkpoint:
 """
 
 
-def measure(model: str, tp: int, batch: int, prompt_len: int, decode_steps: int) -> dict:
-    llm = LLM(model, tensor_parallel_size=tp, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+def measure(model: str, tp: int, batch: int, prompt_len: int, decode_steps: int, pp: int = 1) -> dict:
+    llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
               num_kv_blocks=batch * (prompt_len + decode_steps + 16) // 16 + 8, max_model_len=1024)
     engine = llm.engine
     tpg = engine.executor.tp
@@ -81,6 +82,7 @@ def measure(model: str, tp: int, batch: int, prompt_len: int, decode_steps: int)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--pp", type=int, default=0, help="also measure this many pipeline stages (0: none)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=20)
@@ -93,20 +95,22 @@ def main() -> None:
         if model is None:
             model = str(Path(tmp) / "bench-parallel.yaml")
             Path(model).write_text(SPEC)
-        rows = {tp: measure(model, tp, args.batch, args.prompt_len, args.decode_steps)
+        rows = {f"tp={tp}": measure(model, tp, args.batch, args.prompt_len, args.decode_steps)
                 for tp in (int(t) for t in args.tp.split(","))}
+        if args.pp > 1:
+            rows[f"pp={args.pp}"] = measure(model, 1, args.batch, args.prompt_len, args.decode_steps, pp=args.pp)
     print(f"{args.batch} requests x {args.prompt_len} prompt tokens, {args.decode_steps} decode steps, "
           f"{args.threads} thread(s) per rank; rank 0's step time, median ms")
-    print(f"{'tp':>3} {'phase':>8} {'step':>9} {'compute':>9} {'comm':>9} {'comm %':>7}")
-    for tp, r in rows.items():
+    print(f"{'ranks':>6} {'phase':>8} {'step':>9} {'compute':>9} {'comm':>9} {'comm %':>7}")
+    for name, r in rows.items():
         for phase in ("prefill", "decode"):
             step, comm = r[f"{phase}_ms"], r[f"{phase}_comm_ms"]
-            print(f"{tp:>3} {phase:>8} {step:9.2f} {step - comm:9.2f} {comm:9.2f} {100 * comm / step:6.1f}%")
-    if 1 in rows and len(rows) > 1:
-        for tp, r in rows.items():
-            if tp != 1:
-                print(f"tp={tp} / tp=1 step time: prefill {r['prefill_ms'] / rows[1]['prefill_ms']:.2f}x, "
-                      f"decode {r['decode_ms'] / rows[1]['decode_ms']:.2f}x")
+            print(f"{name:>6} {phase:>8} {step:9.2f} {step - comm:9.2f} {comm:9.2f} {100 * comm / step:6.1f}%")
+    base = rows.get("tp=1")
+    for name, r in rows.items():
+        if base is not None and name != "tp=1":
+            print(f"{name} / tp=1 step time: prefill {r['prefill_ms'] / base['prefill_ms']:.2f}x, "
+                  f"decode {r['decode_ms'] / base['decode_ms']:.2f}x")
 
 
 if __name__ == "__main__":

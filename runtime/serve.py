@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="ranks sharding the model, one process each (gloo on CPU, NCCL on CUDA)")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="pipeline stages of contiguous layers, one process each")
     ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                     help="priority: requests' `priority` field orders admission and preemption (lower first)")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
@@ -151,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                               enable_prefix_caching=not args.no_prefix_caching,
                               prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy,
-                              tensor_parallel_size=args.tensor_parallel_size)
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
