@@ -178,8 +178,9 @@ def test_startup_checks_are_one_line():
         LLM(ZOO / "smollm2-tiny.yaml", pipeline_parallel_size=2, tensor_parallel_size=2)
 
 
-def test_killed_worker_is_a_clear_error():
-    with tp_llm(ZOO / "smollm2-tiny.yaml", tensor_parallel_size=2, max_model_len=128,
+@pytest.mark.parametrize("dim", ["tensor", pytest.param("pipeline", marks=pytest.mark.slow)])
+def test_killed_worker_is_a_clear_error(dim):
+    with tp_llm(ZOO / "smollm2-tiny.yaml", **{f"{dim}_parallel_size": 2}, max_model_len=128,
                 parallel_timeout_s=10) as llm:
         engine = llm.engine
         engine.add_request(engine.make_request({"prompt_token_ids": list(range(3, 30))}, GREEDY))
@@ -187,7 +188,7 @@ def test_killed_worker_is_a_clear_error():
         pid = engine.executor.worker_pids[0]
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(WorkerDiedError, match=rf"rank 1 \(pid {pid}\) died with exit code -9"):
+        with pytest.raises(WorkerDiedError, match=rf"^{dim}-parallel rank 1 \(pid {pid}\) died with exit code -9"):
             while engine.has_unfinished():
                 engine.step()
         assert time.monotonic() - start < 10

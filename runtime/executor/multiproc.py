@@ -163,6 +163,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, spec, config, dtype: torch.dtype):
         world = config.tensor_parallel_size * config.pipeline_parallel_size
         self.config = config
+        self.what = "pipeline-parallel" if config.pipeline_parallel_size > 1 else "tensor-parallel"   # in errors
         self.timeout_s = config.parallel_timeout_s
         self.error: WorkerDiedError | None = None
         ctx = mp.get_context("spawn")
@@ -205,9 +206,9 @@ class MultiprocExecutor(Executor):
             except (EOFError, OSError):
                 pass
             if msg is not None:
-                return WorkerDiedError(f"tensor-parallel rank {rank} (pid {p.pid}) failed: {msg}")
+                return WorkerDiedError(f"{self.what} rank {rank} (pid {p.pid}) failed: {msg}")
             if p.exitcode is not None:
-                return WorkerDiedError(f"tensor-parallel rank {rank} (pid {p.pid}) died with exit code {p.exitcode}")
+                return WorkerDiedError(f"{self.what} rank {rank} (pid {p.pid}) died with exit code {p.exitcode}")
         return None
 
     def _failure(self, e: BaseException) -> WorkerDiedError:
@@ -219,7 +220,7 @@ class MultiprocExecutor(Executor):
             time.sleep(0.05)
             dead = self._dead()
         self.error = dead or WorkerDiedError(
-            f"tensor-parallel step failed on rank 0 with every worker still running (a stuck rank times out "
+            f"{self.what} step failed on rank 0 with every worker still running (a stuck rank times out "
             f"after {self.timeout_s:g} s): {type(e).__name__}: {e}")
         return self.error
 
@@ -238,11 +239,11 @@ class MultiprocExecutor(Executor):
             while not c.poll(0.1):
                 if self.procs[rank - 1].exitcode is not None or time.monotonic() > deadline:
                     self.error = self._dead() or WorkerDiedError(
-                        f"tensor-parallel rank {rank} not ready within {limit:g} s")
+                        f"{self.what} rank {rank} not ready within {limit:g} s")
                     raise self.error
             op, arg = c.recv()
             if op != "ready":
-                self.error = WorkerDiedError(f"tensor-parallel rank {rank} failed: {arg}")
+                self.error = WorkerDiedError(f"{self.what} rank {rank} failed: {arg}")
                 raise self.error
 
     def _broadcast(self, op: str, arg=None) -> None:
