@@ -104,12 +104,13 @@ def test_rows_the_screen_cannot_bound_fall_back(special, isa):
         assert int(got[7]) == 0
 
 
-@pytest.mark.parametrize("tied", [300, 1200])
-def test_many_tied_rows(tied, isa):
-    """`tied` identical rows tie for token 0: 19 candidate tiles are decided in fp32, 75 are
-    more than MAX_TILES (64) and the token falls back; the first index wins either way."""
+@pytest.mark.parametrize("n, tied", [(4000, 300), (4000, 1200), (40000, 3200)])
+def test_many_tied_rows(n, tied, isa):
+    """`tied` identical rows tie for token 0: 19 candidate tiles are decided in fp32; 75 of
+    about 250 tiles are more than max(64, NT / 4) and the token falls back; 200 of 2500 are
+    decided in fp32 again (a quarter of the vocab is the limit); the first index wins each time."""
     g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(3, 32, generator=g), torch.randn(4000, 32, generator=g) * 0.01
+    x, w = torch.randn(3, 32, generator=g), torch.randn(n, 32, generator=g) * 0.01
     w[1000:1000 + tied] = x[0] * 0.3
     got, want = _both(x, w, isa)
     assert torch.equal(got, want) and int(got[0]) == 1000

@@ -30,7 +30,12 @@ namespace zooinfer_screen {
 using namespace zooinfer_panels;
 
 constexpr int64_t VT = 16;         // vocab rows per screen tile
-constexpr int64_t MAX_TILES = 64;  // candidate tiles per token before it takes linear_argmax
+// Candidate tiles per token before it takes linear_argmax: max(MAX_TILES, NT / 4). Deciding c
+// tiles costs c * K vector FMAs for that token alone, a linear_argmax pass about NT * K for up
+// to 16 tokens (its lanes) plus the head's bytes again, so a token with a quarter of the
+// vocab still in play is decided directly (trained heads on random-token prompts, SmolLM2: up
+// to ~90 of 3072 tiles; a fixed cap of 64 sent such tokens through a whole fp32 pass).
+constexpr int64_t MAX_TILES = 64;
 
 inline uint16_t to_bf16(float f) {   // round to nearest even (finite inputs; others fall back)
   uint32_t u;
@@ -103,8 +108,9 @@ inline at::Tensor linear_argmax_op(const at::Tensor& x, const at::Tensor& panels
 // running maximum per token. Every row of the tiles within 2E of a token's best is recomputed
 // in fp32 from the panels exactly as linear_argmax sums them (k order, one fused multiply-add
 // per step); the first maximum among them is the fp32 argmax (any row before it with the same
-// logit would itself be the first maximum). Tokens not screened, or with more than MAX_TILES
-// candidate tiles (x = 0 ties everything), take linear_argmax. xc: contiguous x [M, K].
+// logit would itself be the first maximum). Tokens not screened, or with more than
+// max(MAX_TILES, NT / 4) candidate tiles (x = 0 ties everything), take linear_argmax.
+// xc: contiguous x [M, K].
 inline at::Tensor decide(const at::Tensor& xc, const at::Tensor& panels, int64_t n, int64_t NT, const float* tmax,
                          int64_t ld, const float* rm, int64_t chunks, const float* e2, const uint8_t* screened) {
   const int64_t M = xc.size(0), K = xc.size(1), G = ld / 16;
@@ -112,6 +118,7 @@ inline at::Tensor decide(const at::Tensor& xc, const at::Tensor& panels, int64_t
   at::Tensor out = at::empty({M}, xc.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const float* pp = panels.data_ptr<float>();
+  const int64_t cap = std::max<int64_t>(MAX_TILES, NT / 4);
   at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
     std::vector<int32_t> tiles[16];
     for (int64_t g = g0; g < g1; ++g) {
@@ -126,13 +133,13 @@ inline at::Tensor decide(const at::Tensor& xc, const at::Tensor& panels, int64_t
       for (int64_t t = 0; t < NT; ++t) {   // tiles picked 16 tokens (one group) per vector compare
         for (uint32_t k = ge_mask(load(tmax + t * ld + g * 16), thr); k; k &= k - 1) {
           auto& list = tiles[__builtin_ctz(k)];
-          if (static_cast<int64_t>(list.size()) <= MAX_TILES) list.push_back(static_cast<int32_t>(t));
+          if (static_cast<int64_t>(list.size()) <= cap) list.push_back(static_cast<int32_t>(t));
         }
       }
       for (int j = 0; j < 16 && g * 16 + j < M; ++j) {
         const int64_t m = g * 16 + j;
         op[m] = -1;
-        if (!screened[m] || static_cast<int64_t>(tiles[j].size()) > MAX_TILES) continue;
+        if (!screened[m] || static_cast<int64_t>(tiles[j].size()) > cap) continue;
         const float* xr = xp + m * K;
         float best = 0.f;
         int64_t best_n = -1;

@@ -22,8 +22,9 @@
 //
 // With random or trained heads 2E is a fraction of the logits' spread: SmolLM2-135M's real
 // hidden states leave 1 candidate row for most tokens and at most a few tiles. A token whose x
-// is not finite, whose bound could overflow fp32, or that has more than MAX_TILES candidate
-// tiles (x = 0 ties everything) takes linear_argmax instead, as does everything without AMX.
+// is not finite, whose bound could overflow fp32, or that has more than max(64, NT / 4)
+// candidate tiles (x = 0 ties everything) takes linear_argmax instead, as does everything
+// without AMX.
 //
 // The bound and the decision are shared with the AVX-512 BF16 / AVX2 screens
 // (screened_lanes.cpp) in screen_common.h; this file holds the AMX screen pass.
