@@ -37,7 +37,8 @@ GREEDY_ROWS = range(24, sys.maxsize)
 # instruction set (`python -m bench.greedy_head`): AMX reads half the bytes and multiplies
 # several times faster, so it wins at every row count measured; so does VDPBF16PS (half the
 # bytes, twice the fp32 FMA rate); the AVX2 screen computes at the fp32 rate, so it wins only
-# where reading half the bytes matters, at few rows.
+# where reading half the bytes matters, at few rows. A row count must be in both
+# `SCREENED_ROWS` (the switch for every set: tests empty it to turn the screen off) and its set's range.
 SCREENED_ROWS = range(1, sys.maxsize)
 SCREENED_ROWS_BY_ISA = {"amx": SCREENED_ROWS, "avx512_bf16": SCREENED_ROWS, "avx2": range(1, 24)}
 SCREEN_ISAS = ("amx", "avx512_bf16", "avx2")   # preference order
@@ -186,7 +187,7 @@ class GreedyHead:
     products do not have) and the fused kernels apply to the hidden states (eager, fp32 CPU,
     no grad, library built: `elementwise.use_kernel`), `tokens` skips the logits:
     `screened_argmax` when the head also carries a bf16 `screen` and the row count is in
-    `SCREENED_ROWS`, else `linear_argmax` in `GREEDY_ROWS`. Otherwise the logits are computed
+    `SCREENED_ROWS` and in `SCREENED_ROWS_BY_ISA[screen.isa]`, else `linear_argmax` in `GREEDY_ROWS`. Otherwise the logits are computed
     and `argmax` takes their argmax. Every path gives `compute_logits(hidden).argmax(-1)` exactly.
     """
 
