@@ -97,6 +97,9 @@ class BlockPool:
         # free queue, until the queue hands them out again (lazy LRU eviction).
         self.cached: dict[tuple[int, bytes], KVCacheBlock] = {}
         self.num_evictions = 0
+        # Called with each cached block about to be evicted, while it still holds its hash and
+        # contents (the KV tiers write it back: cache/tiers/coordinator.py).
+        self.on_evict = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -116,6 +119,8 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             if block.block_hash is not None:   # evicted: its old contents are gone
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.num_evictions += 1

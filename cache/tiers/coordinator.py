@@ -1,0 +1,310 @@
+"""The tier coordinator: moves pages between the KV pool and the tiers below it.
+
+Policy:
+- Write-back on eviction. Nothing moves while the pool has room: only when the pool hands
+  out a page that still holds a cached block (`BlockPool.on_evict`) is that page read out,
+  at the start of the step, and stored in the top tier. A tier that evicts (LRU) passes
+  the entry down to the next one (host RAM -> disk -> remote). Requests free their blocks
+  tail first, so a chain is evicted tail first in every tier too.
+- Lookups extend the pool's prefix hit into the tiers only as far as every group is
+  covered, by the pool's own rule (`prefix_coverage`): full-attention blocks from the
+  start, sliding-window blocks inside the window before the hit, and for state groups
+  (Mamba2, Gated DeltaNet, ...) a state checkpoint exactly at the hit, whose pages the tiers
+  hold under the same keys as the pool (`StateManager._keys`).
+- Loads are asynchronous. A request whose hit needs tier entries leaves the waiting queue
+  (`waiting_for_kv`) while an I/O thread fetches them; the others' steps go on. When they
+  have arrived (`poll`), they are promoted: written into new pool pages and published in
+  the prefix cache under their keys, and the request re-enters the queue, where the usual
+  `reuse_prefix` takes them as a plain pool hit (so `cached_tokens` counts them).
+- Swap (cache/tiers/swap.py) copies a preempted request's pages to host RAM instead of
+  recomputing them, when it is long enough to be worth it.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+import numpy as np
+
+from cache.block_pool import KVCacheBlock
+from cache.manager import KVCacheManager, StateManager
+from cache.tiers.base import Tier, tier_key
+from cache.tiers.host import HostTier
+from cache.tiers.swap import SwapSpace
+from cache.tiers.transfer import KVTransfers
+
+log = logging.getLogger("zooinfer")
+
+
+def prefix_coverage(kv: KVCacheManager, hashes: list[bytes], has) -> int:
+    """The longest hit (in blocks) of `hashes` that every group covers, where `has(group,
+    pool key)` says whether an entry is available: the rule `KVCacheManager.reuse_prefix`
+    applies to the pool, over any set of entries."""
+    n = len(hashes)
+    if not n:
+        return 0
+    checks = []
+    for m in kv.managers:
+        if isinstance(m, StateManager):
+            ok = [all(has(m.group_id, k) for k in m._keys(h)) for h in hashes]
+            checks.append((m, None, ok))
+        else:
+            present = np.fromiter((has(m.group_id, h) for h in hashes), dtype=np.int64, count=n)
+            checks.append((m, np.concatenate(([0], np.cumsum(present))), None))
+    for k in range(n, 0, -1):
+        good = True
+        for m, cs, ok in checks:
+            if ok is not None:
+                good = ok[k - 1]
+            else:
+                r = m.needed_hit_range(k)
+                good = cs[r.stop] - cs[r.start] == len(r)
+            if not good:
+                break
+        if good:
+            return k
+    return 0
+
+
+def needed_entries(kv: KVCacheManager, hashes: list[bytes], k: int) -> list[tuple[int, bytes]]:
+    """(group, pool key) of every entry a hit of `k` blocks reads, in every group."""
+    out = []
+    for m in kv.managers:
+        if isinstance(m, StateManager):
+            out.extend((m.group_id, key) for key in m._keys(hashes[k - 1]))
+        else:
+            out.extend((m.group_id, hashes[i]) for i in m.needed_hit_range(k))
+    return out
+
+
+class TierCoordinator:
+    def __init__(self, kv: KVCacheManager, tiers: list[Tier], fingerprint: bytes, payload_sizes: list[int],
+                 *, preemption_mode: str = "auto", swap_min_tokens: int = 256):
+        if not tiers:
+            raise ValueError("a tier coordinator needs at least one tier")
+        self.kv, self.pool, self.tiers = kv, kv.pool, tiers
+        self.fingerprint = fingerprint
+        self.payload_sizes = payload_sizes          # bytes of one page's payload, per group
+        self.host = tiers[0] if isinstance(tiers[0], HostTier) else None
+        self.pool.on_evict = self._on_evict
+        kv.on_free = self._on_free
+        # This step's transfers, taken by the scheduler for the runner (`take_transfers`).
+        self._reads: list[tuple[int, int, tuple]] = []    # (group, block id, destination)
+        self._writes: list[tuple[int, int, bytes, str | None]] = []   # (group, block id, payload, owner)
+        self._pins: list[KVCacheBlock] = []        # promoted pages, pinned until their write ran
+        self._in_flight: tuple[KVTransfers, list, list] | None = None
+        self.waiting_for_kv: dict[str, tuple] = {}  # request id -> (request, future, hashes)
+        self._tried: dict[str, int] = {}           # request id -> num_preemptions at its last tier lookup
+        self._loads = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
+        self._stores = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-store")
+        self._store_futures: list[Future] = []
+        self._storing: dict[bytes, bytes] = {}     # entries queued for a lower tier (loads see them)
+        self.swap = SwapSpace(self, preemption_mode, swap_min_tokens)
+        self.counters = dict.fromkeys(("written_back_blocks", "tier_lookups", "tier_hit_requests",
+                                       "tier_hit_tokens", "promoted_blocks", "promotions_dropped"), 0)
+
+    def key(self, group: int, pool_key: bytes) -> bytes:
+        return tier_key(self.fingerprint, group, pool_key)
+
+    # ------------------------------------------------------------- write-back
+    def _on_evict(self, block: KVCacheBlock) -> None:
+        """The pool is about to reuse a page holding a cached block: read it out this step."""
+        gid, pool_key = block.block_hash
+        key = self.key(gid, pool_key)
+        if self.host is not None and self.host.lookup(key):
+            self.host.touch(key)
+            return
+        self._reads.append((gid, block.block_id, ("tier", key)))
+
+    def _store_down(self, level: int, entries: list[tuple[bytes, bytes]]) -> None:
+        """Store entries in tier `level`; what it evicts goes on down. The host tier stores
+        on the calling thread (a memory copy); the others on the store thread."""
+        if not entries or level >= len(self.tiers):
+            return
+        tier = self.tiers[level]
+        if tier is self.host:
+            evicted = []
+            for k, p in entries:
+                evicted.extend(tier.store(k, p))
+            self._store_down(level + 1, evicted)
+            return
+        for k, p in entries:
+            self._storing[k] = p
+        self._store_futures = [f for f in self._store_futures if not f.done()]
+        self._store_futures.append(self._stores.submit(self._store_job, level, entries))
+
+    def _store_job(self, level: int, entries: list[tuple[bytes, bytes]]) -> None:
+        while entries and level < len(self.tiers):
+            evicted = []
+            for k, p in entries:
+                try:
+                    evicted.extend(self.tiers[level].store(k, p))
+                except Exception:  # noqa: BLE001 - a failed store is a later miss, not an engine failure
+                    log.exception("kv tier %s: store failed", self.tiers[level].name)
+            for k, _ in entries:
+                self._storing.pop(k, None)
+            entries, level = evicted, level + 1
+
+    def flush(self) -> None:
+        """Wait until every queued store has reached its tier (tests, shutdown)."""
+        wait(self._store_futures)
+        self._store_futures = []
+
+    # ------------------------------------------------------------- lookups and loads
+    def _pool_has(self, group: int, pool_key: bytes) -> bool:
+        return self.pool.get_cached_block(group, pool_key) is not None
+
+    def start_load(self, request, hashes: list[bytes]) -> bool:
+        """At admission: if the request's prefix reaches further with tier entries than with
+        the pool alone, start fetching them and take the request out of the queue (True)."""
+        rid = request.request_id
+        if self._tried.get(rid) == request.num_preemptions or self.swap.has(rid):
+            return False
+        self._tried[rid] = request.num_preemptions
+        usable = hashes[: (request.num_tokens - 1) // self.kv.block_size]
+        if not usable:
+            return False
+        self.counters["tier_lookups"] += 1
+        candidates = {(m.group_id, k) for m in self.kv.managers
+                      for h in usable for k in (m._keys(h) if isinstance(m, StateManager) else (h,))
+                      if not self._pool_has(m.group_id, k)}
+        if not candidates:
+            return False
+        order = list(candidates)
+        keys = [self.key(g, k) for g, k in order]
+        where: dict[tuple[int, bytes], int] = {}
+        for level, tier in enumerate(self.tiers):
+            todo = [i for i, e in enumerate(order) if e not in where]
+            if not todo:
+                break
+            try:
+                found = tier.contains_many([keys[i] for i in todo])
+            except Exception:  # noqa: BLE001 - an unreachable tier is a miss
+                log.exception("kv tier %s: lookup failed", tier.name)
+                continue
+            where.update((order[i], level) for i, f in zip(todo, found) if f)
+        k_pool = prefix_coverage(self.kv, usable, self._pool_has)
+        k_all = prefix_coverage(self.kv, usable, lambda g, k: (g, k) in where or self._pool_has(g, k))
+        if k_all <= k_pool:
+            return False
+        wanted = [(e, where[e]) for e in needed_entries(self.kv, usable, k_all) if e in where]
+        future = self._loads.submit(self._fetch, [(e, self.key(*e), level) for e, level in wanted])
+        self.waiting_for_kv[rid] = (request, future, usable)
+        return True
+
+    def _fetch(self, wanted) -> dict[tuple[int, bytes], bytes]:
+        """I/O thread: each entry from the first tier that claimed it (or any below)."""
+        out = {}
+        for entry, key, level in wanted:
+            payload = self._storing.get(key)
+            for tier in self.tiers[level:] if payload is None else ():
+                try:
+                    payload = tier.load(key)
+                except Exception:  # noqa: BLE001 - an unreachable tier is a miss
+                    log.exception("kv tier %s: load failed", tier.name)
+                if payload is not None:
+                    break
+            if payload is not None and len(payload) == self.payload_sizes[entry[0]]:
+                out[entry] = payload
+        return out
+
+    def has_waiting(self) -> bool:
+        return bool(self.waiting_for_kv)
+
+    def poll(self, block: bool = False) -> list:
+        """Requests whose tier entries have arrived, after promoting those entries into the
+        pool (pinned until this step's writes ran). With `block`, waits for the first load
+        when nothing else could run."""
+        if not self.waiting_for_kv:
+            return []
+        if block:
+            wait([f for _, f, _ in self.waiting_for_kv.values()], timeout=30, return_when="FIRST_COMPLETED")
+        ready = []
+        for rid, (req, future, hashes) in list(self.waiting_for_kv.items()):
+            if not future.done():
+                continue
+            del self.waiting_for_kv[rid]
+            try:
+                fetched = future.result()
+            except Exception:  # noqa: BLE001
+                log.exception("kv tier load failed; request %s computes its prefix", rid)
+                fetched = {}
+            self._promote(hashes, fetched)
+            ready.append(req)
+        return ready
+
+    def _promote(self, hashes: list[bytes], fetched: dict) -> None:
+        pool = self.pool
+        k_pool = prefix_coverage(self.kv, hashes, self._pool_has)
+        k = prefix_coverage(self.kv, hashes, lambda g, key: (g, key) in fetched or self._pool_has(g, key))
+        if k <= k_pool:
+            return
+        needed = needed_entries(self.kv, hashes, k)
+        held = [pool.get_cached_block(g, key) for g, key in needed if self._pool_has(g, key)]
+        new = [(g, key) for g, key in needed if not self._pool_has(g, key)]
+        # Pin the hit's pool blocks first, so the new pages cannot evict them.
+        if pool.get_num_free_blocks() - sum(b.ref_cnt == 0 for b in held) < len(new):
+            self.counters["promotions_dropped"] += 1
+            return
+        pool.touch(held)
+        self._pins.extend(held)
+        for block, (g, key) in zip(pool.get_new_blocks(len(new)), new):
+            pool.cache_block(block, g, key)
+            self._writes.append((g, block.block_id, fetched[(g, key)], None))
+            self._pins.append(block)
+        self.counters["tier_hit_requests"] += 1
+        self.counters["tier_hit_tokens"] += (k - k_pool) * self.kv.block_size
+        self.counters["promoted_blocks"] += len(new)
+
+    # ------------------------------------------------------------- the step
+    def take_transfers(self) -> KVTransfers | None:
+        """This step's page transfers for the runner (reads before writes)."""
+        if not (self._reads or self._writes):
+            return None
+        t = KVTransfers(reads=[(g, b) for g, b, _ in self._reads], writes=[(g, b, p) for g, b, p, _ in self._writes])
+        self._in_flight = (t, [d for _, _, d in self._reads], [o for *_, o in self._writes])
+        self._reads, self._writes = [], []
+        return t
+
+    def finish_step(self) -> None:
+        """After the runner ran this step's transfers: store what it read, release pins."""
+        if self._in_flight is not None:
+            t, dests, owners = self._in_flight
+            self._in_flight = None
+            entries = []
+            for dest, payload in zip(dests, t.read_payloads()):
+                if dest[0] == "tier":
+                    entries.append((dest[1], payload))
+                else:
+                    self.swap.saved(dest, payload)
+            self.counters["written_back_blocks"] += len(entries)
+            self._store_down(0, entries)
+            self.swap.restored({o for o in owners if o is not None})
+        self.pool.free_blocks(self._pins)
+        self._pins = []
+
+    def _on_free(self, request_id: str) -> None:
+        """`KVCacheManager.free`: the request's pages may be someone else's at once, so no
+        write queued for them may run."""
+        if any(o == request_id for *_, o in self._writes):
+            self._writes = [w for w in self._writes if w[3] != request_id]
+            self.swap.unrestored(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request is gone (finished, aborted): drop its load, swap space and marks."""
+        entry = self.waiting_for_kv.pop(request_id, None)
+        if entry is not None:
+            entry[1].cancel()
+        self._tried.pop(request_id, None)
+        self.swap.drop(request_id)
+
+    def stats(self) -> dict:
+        return {"tiers": {t.name: t.describe() for t in self.tiers}, **self.counters, **self.swap.counters,
+                "num_waiting_for_kv": len(self.waiting_for_kv)}
+
+    def close(self) -> None:
+        self.flush()
+        self._loads.shutdown(wait=True, cancel_futures=True)
+        self._stores.shutdown(wait=True)
+        for t in self.tiers:
+            t.close()
