@@ -26,7 +26,7 @@ from models.builder import DTYPES
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
-from runtime.kv_tiers import attach_tiers
+from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
 from runtime.worker.model_runner import ModelRunner
@@ -374,6 +374,10 @@ class Engine:
             self._detok.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
                              num_cached_tokens=req.num_cached_tokens)
+
+    def close(self) -> None:
+        """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py)."""
+        close_tiers(self)
 
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""

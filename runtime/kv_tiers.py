@@ -14,7 +14,7 @@ import torch
 
 from cache.kv_cache_spec import KVCacheConfig
 from cache.tiers import DiskTier, HostTier, RedisTier, TierCoordinator, make_fingerprint
-from cache.tiers.transfer import payload_bytes
+from cache.tiers.transfer import payload_bytes, run_transfers
 
 
 def model_fingerprint(model: torch.nn.Module, spec_name: str, kv_config: KVCacheConfig, salt: str) -> bytes:
@@ -74,3 +74,16 @@ def attach_tiers(engine, config, kv_config: KVCacheConfig) -> TierCoordinator | 
                                   swap_min_tokens=config.swap_min_tokens)
     engine.scheduler.tiers = coordinator
     return coordinator
+
+
+def close_tiers(engine) -> None:
+    """Persist the pool's cached blocks and the host tier to the disk / remote tiers, then
+    stop the tiers' I/O threads (engine shutdown; between steps)."""
+    tiers = engine.tiers
+    if tiers is None:
+        return
+    if len(tiers.tiers) > (tiers.host is not None):
+        runner = engine.runner
+        tiers.persist(lambda t: run_transfers(t, runner._copy_spans, runner.device))
+    tiers.close()
+    engine.tiers = engine.scheduler.tiers = None

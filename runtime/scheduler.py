@@ -269,7 +269,11 @@ class Scheduler:
         while self.waiting and budget > 0 and not short_of_room and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit, looked_up = 0, False
-            if self.tiers is not None and req.num_computed_tokens == 0 and self.tiers.swap.swap_in(req):
+            swapped = self.tiers is not None and req.num_computed_tokens == 0 and \
+                self.tiers.swap.swap_in(req, can_wait=bool(self.running))
+            if swapped is None:                   # swapped out; waits for room to come back
+                break
+            if swapped:
                 hit = req.num_computed_tokens     # swapped back in from host RAM
             elif self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit:
                 looked_up = True

@@ -91,7 +91,7 @@ class TierCoordinator:
         # This step's transfers, taken by the scheduler for the runner (`take_transfers`).
         self._reads: list[tuple[int, int, tuple]] = []    # (group, block id, destination)
         self._writes: list[tuple[int, int, bytes, str | None]] = []   # (group, block id, payload, owner)
-        self._pins: list[KVCacheBlock] = []        # promoted pages, pinned until their write ran
+        self._promoted: set[int] = set()           # pages whose promotion write is still queued
         self._in_flight: tuple[KVTransfers, list, list] | None = None
         self.waiting_for_kv: dict[str, tuple] = {}  # request id -> (request, future, hashes)
         self._tried: dict[str, int] = {}           # request id -> num_preemptions at its last tier lookup
@@ -109,6 +109,10 @@ class TierCoordinator:
     # ------------------------------------------------------------- write-back
     def _on_evict(self, block: KVCacheBlock) -> None:
         """The pool is about to reuse a page holding a cached block: read it out this step."""
+        if block.block_id in self._promoted:      # promoted this step, never written: the tier still has it
+            self._promoted.discard(block.block_id)
+            self._writes = [w for w in self._writes if w[1] != block.block_id]
+            return
         gid, pool_key = block.block_hash
         key = self.key(gid, pool_key)
         if self.host is not None and self.host.lookup(key):
@@ -144,6 +148,27 @@ class TierCoordinator:
             for k, _ in entries:
                 self._storing.pop(k, None)
             entries, level = evicted, level + 1
+
+    def persist(self, run) -> int:
+        """Before shutdown: write every cached pool block and every host entry down to the
+        tiers that outlive the process (disk, remote), so a restarted engine finds them.
+        `run(transfers)` applies a transfer to the pool (the runner's copy). Returns the
+        entries written."""
+        if self._in_flight is not None:
+            raise RuntimeError("persist() runs between steps only")
+        for (gid, pool_key), block in self.pool.cached.items():
+            self._reads.append((gid, block.block_id, ("persist", self.key(gid, pool_key))))
+        t = self.take_transfers()
+        entries = []
+        if t is not None:
+            run(t)
+            entries = [(dest[1], p) for dest, p in zip(self._in_flight[1], t.read_payloads()) if dest[0] == "persist"]
+            self._in_flight = None
+        if self.host is not None:
+            entries += [(k, p) for k in self.host.keys() if (p := self.host._load(k)) is not None]
+        self._store_down(1 if self.host is not None else 0, entries)
+        self.flush()
+        return len(entries)
 
     def flush(self) -> None:
         """Wait until every queued store has reached its tier (tests, shutdown)."""
@@ -213,8 +238,7 @@ class TierCoordinator:
 
     def poll(self, block: bool = False) -> list:
         """Requests whose tier entries have arrived, after promoting those entries into the
-        pool (pinned until this step's writes ran). With `block`, waits for the first load
-        when nothing else could run."""
+        pool. With `block`, waits for the first load when nothing else could run."""
         if not self.waiting_for_kv:
             return []
         if block:
@@ -234,6 +258,10 @@ class TierCoordinator:
         return ready
 
     def _promote(self, hashes: list[bytes], fetched: dict) -> None:
+        """Publish the fetched entries of the longest hit they complete in new pool pages,
+        at ref_cnt 0 like any cached block (most recently used): the request's
+        `reuse_prefix` takes them as pool hits. Their writes run at the start of this step;
+        one evicted before that is dropped with its write (`_on_evict`)."""
         pool = self.pool
         k_pool = prefix_coverage(self.kv, hashes, self._pool_has)
         k = prefix_coverage(self.kv, hashes, lambda g, key: (g, key) in fetched or self._pool_has(g, key))
@@ -242,16 +270,19 @@ class TierCoordinator:
         needed = needed_entries(self.kv, hashes, k)
         held = [pool.get_cached_block(g, key) for g, key in needed if self._pool_has(g, key)]
         new = [(g, key) for g, key in needed if not self._pool_has(g, key)]
-        # Pin the hit's pool blocks first, so the new pages cannot evict them.
+        # The hit's pool blocks leave the free queue while the new pages are taken, so those
+        # cannot evict them; all go back as the most recently used.
         if pool.get_num_free_blocks() - sum(b.ref_cnt == 0 for b in held) < len(new):
             self.counters["promotions_dropped"] += 1
             return
         pool.touch(held)
-        self._pins.extend(held)
-        for block, (g, key) in zip(pool.get_new_blocks(len(new)), new):
+        pages = pool.get_new_blocks(len(new))
+        for block, (g, key) in zip(pages, new):
             pool.cache_block(block, g, key)
             self._writes.append((g, block.block_id, fetched[(g, key)], None))
-            self._pins.append(block)
+            self._promoted.add(block.block_id)
+        pool.free_blocks(held)
+        pool.free_blocks(pages)
         self.counters["tier_hit_requests"] += 1
         self.counters["tier_hit_tokens"] += (k - k_pool) * self.kv.block_size
         self.counters["promoted_blocks"] += len(new)
@@ -264,10 +295,11 @@ class TierCoordinator:
         t = KVTransfers(reads=[(g, b) for g, b, _ in self._reads], writes=[(g, b, p) for g, b, p, _ in self._writes])
         self._in_flight = (t, [d for _, _, d in self._reads], [o for *_, o in self._writes])
         self._reads, self._writes = [], []
+        self._promoted = set()
         return t
 
     def finish_step(self) -> None:
-        """After the runner ran this step's transfers: store what it read, release pins."""
+        """After the runner ran this step's transfers: store what it read, free swap space."""
         if self._in_flight is not None:
             t, dests, owners = self._in_flight
             self._in_flight = None
@@ -280,8 +312,6 @@ class TierCoordinator:
             self.counters["written_back_blocks"] += len(entries)
             self._store_down(0, entries)
             self.swap.restored({o for o in owners if o is not None})
-        self.pool.free_blocks(self._pins)
-        self._pins = []
 
     def _on_free(self, request_id: str) -> None:
         """`KVCacheManager.free`: the request's pages may be someone else's at once, so no

@@ -40,7 +40,8 @@ class SwapSpace:
         self.c = coordinator
         self.mode, self.min_tokens = mode, min_tokens
         self.records: dict[str, SwapRecord] = {}
-        self.counters = dict.fromkeys(("swapped_out", "swapped_in", "swap_bytes", "swap_refused"), 0)
+        self.counters = dict.fromkeys(("swapped_out", "swapped_in", "swap_fallbacks", "swap_bytes",
+                                       "swap_refused"), 0)
 
     def has(self, request_id: str) -> bool:
         return request_id in self.records
@@ -85,17 +86,24 @@ class SwapSpace:
             rec.payloads[i] = payload
             rec.pending -= 1
 
-    def swap_in(self, request) -> bool:
+    def swap_in(self, request, can_wait: bool) -> bool | None:
         """At readmission: give the request new pages filled from its swapped pages and its
-        computed tokens back (True); False if it was not swapped or the pool lacks room."""
+        computed tokens back (True). False if it was not swapped, or its pages never left the
+        pool; then it recomputes. When the pool lacks room: None (wait for it) if `can_wait`
+        (running requests will free pages), else False, giving the swap space up."""
         c, rid = self.c, request.request_id
         rec = self.records.get(rid)
         if rec is None:
             return False
         if not rec.complete:              # its pages were never read out: recompute
+            self.counters["swap_fallbacks"] += 1
             self.drop(rid)
             return False
         if len(rec.payloads) > c.pool.get_num_free_blocks():
+            if can_wait:
+                return None
+            self.counters["swap_fallbacks"] += 1
+            self.drop(rid)
             return False
         new = iter(c.pool.get_new_blocks(len(rec.payloads)))
         payloads = iter(zip(rec.groups, rec.payloads))

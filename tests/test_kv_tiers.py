@@ -1,0 +1,58 @@
+"""KV tiers below the pool (cache/tiers/): greedy outputs never change, hits and swaps are
+exact, tier files survive a restart, and a bad or foreign entry is a miss, never a wrong answer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from tests.zoo_parity import assert_all_free, tight_pool_blocks
+
+torch.set_num_threads(1)
+
+NEW = 12
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
+
+
+def _ids(n: int, seed: int, vocab: int = 500) -> list[int]:
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def chat(llm: LLM, num_convs: int = 4, turns: int = 3, system: int = 40) -> list[list[int]]:
+    """A multi-turn chat workload: every conversation starts with one shared system prompt,
+    and each turn's prompt is the conversation so far (its earlier prompts and answers)
+    plus a new user message; all conversations take their turn together. Then the first
+    turn's prompts come back (a second user asking the same), long after the pool let
+    them go. Returns every answer, in order."""
+    sys_prompt = _ids(system, 1)
+    history = [sys_prompt + _ids(9 + 5 * c, 10 + c) for c in range(num_convs)]
+    first, answers = [list(h) for h in history], []
+    for t in range(turns):
+        outs = llm.generate([{"prompt_token_ids": h} for h in history], GREEDY, use_tqdm=False)
+        for c, o in enumerate(outs):
+            answers.append(o.outputs[0].token_ids)
+            history[c] = history[c] + o.outputs[0].token_ids + _ids(7, 100 * t + c)
+    outs = llm.generate([{"prompt_token_ids": p} for p in first], GREEDY, use_tqdm=False)
+    return answers + [o.outputs[0].token_ids for o in outs]
+
+
+TIGHT = dict(max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral", "bamba", "qwen3_next"])
+def test_greedy_equal_with_tiers_on_and_off(tiny_hf, tmp_path, family):
+    """Gemma 3 and Mistral have sliding windows (20 tokens), Bamba Mamba2 and Qwen3-Next
+    Gated DeltaNet state layers: every kind's entries go through the tiers."""
+    path, _ = tiny_hf(family)
+    blocks = tight_pool_blocks(path, TIGHT["max_model_len"], TIGHT["max_num_batched_tokens"])
+    want = chat(LLM(path, **TIGHT, num_kv_blocks=400))            # tiers off (and a roomy pool)
+    on = LLM(path, **TIGHT, num_kv_blocks=blocks, kv_host_tier_bytes=1 << 24, kv_disk_tier_dir=str(tmp_path),
+             preemption_mode="auto", swap_min_tokens=24)
+    assert chat(on) == want
+    st = on.kv_cache_stats()
+    t = st["kv_tiers"]
+    assert st["evictions"] > 0 and st["num_preemptions"] > 0, "the pool was meant to force eviction and preemption"
+    assert t["written_back_blocks"] > 0 and t["tier_hit_tokens"] > 0 and t["tiers"]["host"]["hits"] > 0
+    assert t["swapped_in"] > 0 and t["swapped_in"] + t["swap_fallbacks"] == t["swapped_out"]
+    assert_all_free(on)
+    assert on.engine.tiers.host.reserved == 0     # swap space all given back
