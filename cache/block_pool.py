@@ -100,6 +100,7 @@ class BlockPool:
         # Called with each cached block about to be evicted, while it still holds its hash and
         # contents (the KV tiers write it back: cache/tiers/coordinator.py).
         self.on_evict = None
+        self.on_cache = None     # called with each newly published block (tiers' write-through)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -137,6 +138,8 @@ class BlockPool:
         if block.block_hash is None and key not in self.cached:
             block.block_hash = key
             self.cached[key] = block
+            if self.on_cache is not None:
+                self.on_cache(block)
 
     def touch(self, blocks) -> None:
         """Take a reference on cache hits; a block at ref_cnt 0 leaves the free queue."""

@@ -29,6 +29,7 @@ class EngineConfig:
     kv_disk_tier_dir: str | None = None     # local disk tier: survives restarts, shared by processes
     kv_disk_tier_bytes: int = 16 << 30
     kv_remote_tier_url: str | None = None   # redis://host:port shared by several engines
+    kv_tier_write_through: bool = False     # also store each new block in the disk / remote tiers at once
     kv_tier_salt: str = ""                  # part of the tiers' fingerprint: keeps deployments apart
     preemption_mode: str = "auto"           # recompute | swap | auto: swap from swap_min_tokens computed
     swap_min_tokens: int = 256

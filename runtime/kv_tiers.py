@@ -39,6 +39,8 @@ def attach_tiers(engine, config, kv_config: KVCacheConfig) -> TierCoordinator | 
     coordinator into the engine's scheduler; None when no tier is configured."""
     _check_bytes("kv_host_tier_bytes", config.kv_host_tier_bytes)
     _check_bytes("kv_disk_tier_bytes", config.kv_disk_tier_bytes)
+    if not isinstance(config.kv_tier_write_through, bool):
+        raise ValueError(f"kv_tier_write_through must be True or False, got {config.kv_tier_write_through!r}")
     if not isinstance(config.kv_tier_salt, str):
         raise ValueError(f"kv_tier_salt must be a string, got {config.kv_tier_salt!r}")
     if config.kv_disk_tier_dir is not None and not isinstance(config.kv_disk_tier_dir, (str, os.PathLike)):
@@ -71,7 +73,8 @@ def attach_tiers(engine, config, kv_config: KVCacheConfig) -> TierCoordinator | 
                              f"({type(e).__name__}: {e})") from None
     sizes = [payload_bytes(spans) for spans in engine.runner._copy_spans]
     coordinator = TierCoordinator(engine.kv_manager, tiers, fp, sizes, preemption_mode=config.preemption_mode,
-                                  swap_min_tokens=config.swap_min_tokens)
+                                  swap_min_tokens=config.swap_min_tokens,
+                                  write_through=config.kv_tier_write_through)
     engine.scheduler.tiers = coordinator
     return coordinator
 

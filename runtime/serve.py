@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-disk-tier-dir", default=None, help="local disk KV tier (survives restarts)")
     ap.add_argument("--kv-disk-tier-gib", type=float, default=16.0)
     ap.add_argument("--kv-remote-tier-url", default=None, help="redis://host:port KV tier shared by engines")
+    ap.add_argument("--kv-tier-write-through", action="store_true",
+                    help="store each new KV block in the disk / remote tiers at once (shared prefixes)")
     ap.add_argument("--kv-tier-salt", default="", help="part of the KV tiers' fingerprint")
     ap.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
     ap.add_argument("--swap-min-tokens", type=int, default=256, help="auto: swap requests with this many computed tokens")
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                               kv_disk_tier_dir=args.kv_disk_tier_dir,
                               kv_disk_tier_bytes=int(args.kv_disk_tier_gib * (1 << 30)),
                               kv_remote_tier_url=args.kv_remote_tier_url, kv_tier_salt=args.kv_tier_salt,
+                              kv_tier_write_through=args.kv_tier_write_through,
                               preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:

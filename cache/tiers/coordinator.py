@@ -16,6 +16,9 @@ Policy:
   have arrived (`poll`), they are promoted: written into new pool pages and published in
   the prefix cache under their keys, and the request re-enters the queue, where the usual
   `reuse_prefix` takes them as a plain pool hit (so `cached_tokens` counts them).
+- Optional write-through (`write_through`): every newly published block also goes to the
+  tiers below host RAM at once, so other engines on a shared disk or Redis tier, and a
+  restarted engine, hit it without waiting for an eviction.
 - Swap (cache/tiers/swap.py) copies a preempted request's pages to host RAM instead of
   recomputing them, when it is long enough to be worth it.
 """
@@ -79,7 +82,7 @@ def needed_entries(kv: KVCacheManager, hashes: list[bytes], k: int) -> list[tupl
 
 class TierCoordinator:
     def __init__(self, kv: KVCacheManager, tiers: list[Tier], fingerprint: bytes, payload_sizes: list[int],
-                 *, preemption_mode: str = "auto", swap_min_tokens: int = 256):
+                 *, preemption_mode: str = "auto", swap_min_tokens: int = 256, write_through: bool = False):
         if not tiers:
             raise ValueError("a tier coordinator needs at least one tier")
         self.kv, self.pool, self.tiers = kv, kv.pool, tiers
@@ -87,6 +90,9 @@ class TierCoordinator:
         self.payload_sizes = payload_sizes          # bytes of one page's payload, per group
         self.host = tiers[0] if isinstance(tiers[0], HostTier) else None
         self.pool.on_evict = self._on_evict
+        self.write_through = write_through and len(tiers) > (self.host is not None)
+        if self.write_through:
+            self.pool.on_cache = self._on_cache
         kv.on_free = self._on_free
         # This step's transfers, taken by the scheduler for the runner (`take_transfers`).
         self._reads: list[tuple[int, int, tuple]] = []    # (group, block id, destination)
@@ -100,7 +106,7 @@ class TierCoordinator:
         self._store_futures: list[Future] = []
         self._storing: dict[bytes, bytes] = {}     # entries queued for a lower tier (loads see them)
         self.swap = SwapSpace(self, preemption_mode, swap_min_tokens)
-        self.counters = dict.fromkeys(("written_back_blocks", "tier_lookups", "tier_hit_requests",
+        self.counters = dict.fromkeys(("written_back_blocks", "written_through_blocks", "tier_lookups", "tier_hit_requests",
                                        "tier_hit_tokens", "promoted_blocks", "promotions_dropped"), 0)
 
     def key(self, group: int, pool_key: bytes) -> bytes:
@@ -119,6 +125,15 @@ class TierCoordinator:
             self.host.touch(key)
             return
         self._reads.append((gid, block.block_id, ("tier", key)))
+
+    def _on_cache(self, block: KVCacheBlock) -> None:
+        """Write-through: a newly published block (computed in the step that just ran) is
+        read out next step and stored in the tiers below host RAM, where other engines and a
+        restarted one find it without waiting for an eviction."""
+        if block.block_id in self._promoted:     # a promoted page came from the tiers
+            return
+        gid, pool_key = block.block_hash
+        self._reads.append((gid, block.block_id, ("through", self.key(gid, pool_key))))
 
     def _store_down(self, level: int, entries: list[tuple[bytes, bytes]]) -> None:
         """Store entries in tier `level`; what it evicts goes on down. The host tier stores
@@ -278,9 +293,9 @@ class TierCoordinator:
         pool.touch(held)
         pages = pool.get_new_blocks(len(new))
         for block, (g, key) in zip(pages, new):
+            self._promoted.add(block.block_id)
             pool.cache_block(block, g, key)
             self._writes.append((g, block.block_id, fetched[(g, key)], None))
-            self._promoted.add(block.block_id)
         pool.free_blocks(held)
         pool.free_blocks(pages)
         self.counters["tier_hit_requests"] += 1
@@ -303,14 +318,18 @@ class TierCoordinator:
         if self._in_flight is not None:
             t, dests, owners = self._in_flight
             self._in_flight = None
-            entries = []
+            entries, through = [], []
             for dest, payload in zip(dests, t.read_payloads()):
                 if dest[0] == "tier":
                     entries.append((dest[1], payload))
+                elif dest[0] == "through":
+                    through.append((dest[1], payload))
                 else:
                     self.swap.saved(dest, payload)
             self.counters["written_back_blocks"] += len(entries)
+            self.counters["written_through_blocks"] += len(through)
             self._store_down(0, entries)
+            self._store_down(int(self.host is not None), through)
             self.swap.restored({o for o in owners if o is not None})
 
     def _on_free(self, request_id: str) -> None:
