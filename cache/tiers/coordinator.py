@@ -25,7 +25,7 @@ Policy:
 from __future__ import annotations
 
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -82,7 +82,10 @@ def needed_entries(kv: KVCacheManager, hashes: list[bytes], k: int) -> list[tupl
 
 class TierCoordinator:
     def __init__(self, kv: KVCacheManager, tiers: list[Tier], fingerprint: bytes, payload_sizes: list[int],
-                 *, preemption_mode: str = "auto", swap_min_tokens: int = 256, write_through: bool = False):
+                 *, preemption_mode: str = "auto", swap_min_tokens: int = 256, write_through: bool = False,
+                 load_executor: Executor | None = None):
+        """`payload_sizes`: bytes of one page's payload per group (a stored payload of another
+        size is a miss); `load_executor` runs the tier loads (default: a thread of their own)."""
         if not tiers:
             raise ValueError("a tier coordinator needs at least one tier")
         self.kv, self.pool, self.tiers = kv, kv.pool, tiers
@@ -101,7 +104,7 @@ class TierCoordinator:
         self._in_flight: tuple[KVTransfers, list, list] | None = None
         self.waiting_for_kv: dict[str, tuple] = {}  # request id -> (request, future, hashes)
         self._tried: dict[str, int] = {}           # request id -> num_preemptions at its last tier lookup
-        self._loads = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
+        self._loads = load_executor or ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-store")
         self._store_futures: list[Future] = []
         self._storing: dict[bytes, bytes] = {}     # entries queued for a lower tier (loads see them)
