@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from runtime.metrics import ServerMetrics
 from tests.zoo_parity import assert_all_free, tight_pool_blocks
 
 torch.set_num_threads(1)
@@ -56,3 +57,8 @@ def test_greedy_equal_with_tiers_on_and_off(tiny_hf, tmp_path, family):
     assert t["swapped_in"] > 0 and t["swapped_in"] + t["swap_fallbacks"] == t["swapped_out"]
     assert_all_free(on)
     assert on.engine.tiers.host.reserved == 0     # swap space all given back
+    metrics = ServerMetrics("m")
+    metrics.update_engine_state(st)
+    text = metrics.render().decode()
+    assert f'zooinfer_kv_tier_hits{{model_name="m",tier="host"}} {float(t["tiers"]["host"]["hits"])}' in text
+    assert f'zooinfer_kv_tier_hit_tokens{{model_name="m"}} {float(t["tier_hit_tokens"])}' in text

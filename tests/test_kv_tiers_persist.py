@@ -175,3 +175,25 @@ def test_two_engine_processes_share_a_redis_tier(tiny_hf, redis_url):
     assert other["stats"]["tiers"]["remote"]["hits"] == 4 and other["stats"]["tier_hit_tokens"] == 64
     assert _run(here, p1) == (want[0], 96)
     assert here.kv_cache_stats()["kv_tiers"]["tiers"]["remote"]["hits"] == 6
+
+
+@pytest.mark.slow
+def test_server_restarted_on_a_disk_tier_serves_a_1k_prompt_from_disk(tmp_path):
+    """A server stopped with SIGINT persists its cached blocks; the next server on the same
+    folder answers the same 1k-token prompt with the same text, reports the disk hits in
+    `usage.prompt_tokens_details.cached_tokens` and in /metrics."""
+    import httpx
+
+    from tests.serving import metric, running_server, tiny_chat_spec
+    spec = tmp_path / "long-chat.yaml"
+    spec.write_text(tiny_chat_spec(tmp_path).read_text().replace("max_model_len: 256", "max_model_len: 1100"))
+    flags = ("--kv-disk-tier-dir", str(tmp_path / "tier"), "--num-kv-blocks", "160")
+    body = {"prompt": LONG, "max_tokens": 8, "temperature": 0}
+    answers = []
+    for _ in range(2):
+        with running_server(spec, *flags) as (_, base):
+            r = httpx.post(base + "/v1/completions", json=body, timeout=120).json()
+            answers.append((r["choices"][0]["text"], r["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            hits = metric(httpx.get(base + "/metrics").text, "zooinfer_kv_tier_hits")
+    assert answers[1] == (answers[0][0], 992) and answers[0][1] == 0
+    assert hits == 62

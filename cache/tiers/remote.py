@@ -9,6 +9,8 @@ bundled binary); `touch` uses Redis's TOUCH to refresh an entry's recency.
 """
 from __future__ import annotations
 
+import time
+
 from cache.tiers.base import Tier, pack_entry, unpack_entry
 
 PREFIX = b"zkv:"
@@ -25,6 +27,7 @@ class RedisTier(Tier):
         self.url = url
         self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout)
         self.client.ping()                # fail at start-up, in one line, if it is not there
+        self._used = (-1.0, -1)           # (when, used_memory): stats read it at most once a second
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         if not keys:
@@ -53,10 +56,15 @@ class RedisTier(Tier):
         self.client.delete(PREFIX + key)
 
     def used_bytes(self) -> int:
-        try:
-            return int(self.client.info("memory")["used_memory"])
-        except Exception:  # noqa: BLE001 - a stats read must not fail the caller
-            return -1
+        """Redis's used_memory (all its keys), refreshed at most once a second: stats are
+        read after every engine step. -1 when the server does not answer."""
+        now = time.monotonic()
+        if now - self._used[0] >= 1.0:
+            try:
+                self._used = (now, int(self.client.info("memory")["used_memory"]))
+            except Exception:  # noqa: BLE001 - a stats read must not fail the caller
+                self._used = (now, -1)
+        return self._used[1]
 
     def close(self) -> None:
         self.client.close()
