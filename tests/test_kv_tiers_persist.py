@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def _run(llm: LLM, prompt: list[int]):
     return out.outputs[0].token_ids, out.num_cached_tokens
 
 
-def _disk_path(llm: LLM, block: int) -> "Path":
+def _disk_path(llm: LLM, block: int) -> Path:
     tiers = llm.engine.tiers
     disk = next(t for t in tiers.tiers if isinstance(t, DiskTier))
     hashes: list[bytes] = []

@@ -167,26 +167,25 @@ class TierCoordinator:
                 self._storing.pop(k, None)
             entries, level = evicted, level + 1
 
-    def persist(self, run) -> int:
+    def persist(self, run, chunk: int = 1024) -> int:
         """Before shutdown: write every cached pool block and every host entry down to the
         tiers that outlive the process (disk, remote), so a restarted engine finds them.
-        `run(transfers)` applies a transfer to the pool (the runner's copy). Returns the
-        entries written."""
-        if self._in_flight is not None:
+        `run(transfers)` applies a transfer to the pool (the runner's copy); pages are read
+        `chunk` at a time. Returns the entries written."""
+        if self._in_flight is not None or self._reads or self._writes:
             raise RuntimeError("persist() runs between steps only")
-        for (gid, pool_key), block in self.pool.cached.items():
-            self._reads.append((gid, block.block_id, ("persist", self.key(gid, pool_key))))
-        t = self.take_transfers()
-        entries = []
-        if t is not None:
+        level = int(self.host is not None)
+        cached = list(self.pool.cached.items())
+        for start in range(0, len(cached), chunk):
+            part = cached[start: start + chunk]
+            t = KVTransfers(reads=[(gid, block.block_id) for (gid, _), block in part])
             run(t)
-            entries = [(dest[1], p) for dest, p in zip(self._in_flight[1], t.read_payloads()) if dest[0] == "persist"]
-            self._in_flight = None
-        if self.host is not None:
-            entries += [(k, p) for k in self.host.keys() if (p := self.host._load(k)) is not None]
-        self._store_down(1 if self.host is not None else 0, entries)
+            self._store_down(level, [(self.key(gid, pool_key), p)
+                                     for ((gid, pool_key), _), p in zip(part, t.read_payloads())])
+        hosted = [(k, p) for k in self.host.keys() if (p := self.host._load(k)) is not None] if self.host else []
+        self._store_down(level, hosted)
         self.flush()
-        return len(entries)
+        return len(cached) + len(hosted)
 
     def flush(self) -> None:
         """Wait until every queued store has reached its tier (tests, shutdown)."""

@@ -11,7 +11,7 @@ and never LRU-evicted; it is released when the request is restored or finishes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MODES = ("auto", "recompute", "swap")
 
@@ -23,8 +23,8 @@ class SwapRecord:
     groups: list[int]                         # group of each saved page, in order
     payloads: list[bytes | None]
     nbytes: int
+    pending: int                              # pages not read out yet
     restoring: bool = False
-    pending: int = field(default=0)
 
     @property
     def complete(self) -> bool:
@@ -72,8 +72,7 @@ class SwapSpace:
             return False
         c._store_down(1, evicted)
         self.drop(rid)
-        self.records[rid] = SwapRecord(n, layout, [g for g, _ in reads], [None] * len(reads), nbytes,
-                                       pending=len(reads))
+        self.records[rid] = SwapRecord(n, layout, [g for g, _ in reads], [None] * len(reads), nbytes, len(reads))
         c._reads.extend((g, b, ("swap", rid, i)) for i, (g, b) in enumerate(reads))
         self.counters["swapped_out"] += 1
         self.counters["swap_bytes"] += nbytes
