@@ -13,9 +13,10 @@ Policy:
   hold under the same keys as the pool (`StateManager._keys`).
 - Loads are asynchronous. A request whose hit needs tier entries leaves the waiting queue
   (`waiting_for_kv`) while an I/O thread fetches them; the others' steps go on. When they
-  have arrived (`poll`), they are promoted: written into new pool pages and published in
-  the prefix cache under their keys, and the request re-enters the queue, where the usual
-  `reuse_prefix` takes them as a plain pool hit (so `cached_tokens` counts them).
+  have arrived (`poll`) the request re-enters the queue; at its admission they are
+  promoted (written into new pool pages and published in the prefix cache under their
+  keys), and the usual `reuse_prefix` takes them as a plain pool hit (so `cached_tokens`
+  counts them).
 - Optional write-through (`write_through`): every newly published block also goes to the
   tiers below host RAM at once, so other engines on a shared disk or Redis tier, and a
   restarted engine, hit it without waiting for an eviction.
@@ -104,13 +105,14 @@ class TierCoordinator:
         self._in_flight: tuple[KVTransfers, list, list] | None = None
         self.waiting_for_kv: dict[str, tuple] = {}  # request id -> (request, future, hashes)
         self._tried: dict[str, int] = {}           # request id -> num_preemptions at its last tier lookup
+        self._fetched: dict[str, tuple] = {}       # request id -> (hashes, loaded entries) not promoted yet
         self._loads = load_executor or ThreadPoolExecutor(1, thread_name_prefix="kv-tier-load")
         self._stores = ThreadPoolExecutor(1, thread_name_prefix="kv-tier-store")
         self._store_futures: list[Future] = []
         self._storing: dict[bytes, bytes] = {}     # entries queued for a lower tier (loads see them)
         self.swap = SwapSpace(self, preemption_mode, swap_min_tokens)
         self.counters = dict.fromkeys(("written_back_blocks", "written_through_blocks", "tier_lookups", "tier_hit_requests",
-                                       "tier_hit_tokens", "promoted_blocks", "promotions_dropped"), 0)
+                                       "tier_hit_tokens", "promoted_blocks", "promotions_deferred"), 0)
 
     def key(self, group: int, pool_key: bytes) -> bytes:
         return tier_key(self.fingerprint, group, pool_key)
@@ -200,6 +202,10 @@ class TierCoordinator:
         """At admission: if the request's prefix reaches further with tier entries than with
         the pool alone, start fetching them and take the request out of the queue (True)."""
         rid = request.request_id
+        if rid in self._fetched:        # its entries have arrived: promote them now, if the pool has room
+            if self._promote(*self._fetched[rid]):
+                del self._fetched[rid]
+            return False
         if self._tried.get(rid) == request.num_preemptions or self.swap.has(rid):
             return False
         self._tried[rid] = request.num_preemptions
@@ -254,8 +260,10 @@ class TierCoordinator:
         return bool(self.waiting_for_kv)
 
     def poll(self, block: bool = False) -> list:
-        """Requests whose tier entries have arrived, after promoting those entries into the
-        pool. With `block`, waits for the first load when nothing else could run."""
+        """Requests whose tier entries have arrived (they go back to the queue; `start_load`
+        promotes the entries when they come up for admission again, so they take pool pages
+        exactly when the request can use them). With `block`, waits for the first load
+        when nothing else could run."""
         if not self.waiting_for_kv:
             return []
         if block:
@@ -270,28 +278,30 @@ class TierCoordinator:
             except Exception:  # noqa: BLE001
                 log.exception("kv tier load failed; request %s computes its prefix", rid)
                 fetched = {}
-            self._promote(hashes, fetched)
+            self._fetched[rid] = (hashes, fetched)
             ready.append(req)
         return ready
 
-    def _promote(self, hashes: list[bytes], fetched: dict) -> None:
+    def _promote(self, hashes: list[bytes], fetched: dict) -> bool:
         """Publish the fetched entries of the longest hit they complete in new pool pages,
         at ref_cnt 0 like any cached block (most recently used): the request's
-        `reuse_prefix` takes them as pool hits. Their writes run at the start of this step;
-        one evicted before that is dropped with its write (`_on_evict`)."""
+        `reuse_prefix`, right after, takes them as pool hits. Their writes run at the start
+        of this step; one evicted before that is dropped with its write (`_on_evict`).
+        False (nothing done) when the pool lacks the room the hit takes; entries are
+        content-addressed, so they stay valid for a later try."""
         pool = self.pool
         k_pool = prefix_coverage(self.kv, hashes, self._pool_has)
         k = prefix_coverage(self.kv, hashes, lambda g, key: (g, key) in fetched or self._pool_has(g, key))
         if k <= k_pool:
-            return
+            return True
         needed = needed_entries(self.kv, hashes, k)
         held = [pool.get_cached_block(g, key) for g, key in needed if self._pool_has(g, key)]
         new = [(g, key) for g, key in needed if not self._pool_has(g, key)]
         # The hit's pool blocks leave the free queue while the new pages are taken, so those
         # cannot evict them; all go back as the most recently used.
         if pool.get_num_free_blocks() - sum(b.ref_cnt == 0 for b in held) < len(new):
-            self.counters["promotions_dropped"] += 1
-            return
+            self.counters["promotions_deferred"] += 1
+            return False
         pool.touch(held)
         pages = pool.get_new_blocks(len(new))
         for block, (g, key) in zip(pages, new):
@@ -303,6 +313,7 @@ class TierCoordinator:
         self.counters["tier_hit_requests"] += 1
         self.counters["tier_hit_tokens"] += (k - k_pool) * self.kv.block_size
         self.counters["promoted_blocks"] += len(new)
+        return True
 
     # ------------------------------------------------------------- the step
     def take_transfers(self) -> KVTransfers | None:
@@ -347,6 +358,7 @@ class TierCoordinator:
         if entry is not None:
             entry[1].cancel()
         self._tried.pop(request_id, None)
+        self._fetched.pop(request_id, None)
         self.swap.drop(request_id)
 
     def stats(self) -> dict:
