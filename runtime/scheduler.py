@@ -293,8 +293,10 @@ class Scheduler:
                     self.kv.free(req.request_id)
                     req.num_computed_tokens = 0
                     # A hit pins its checkpoint pages for the step: a request that only fits
-                    # the pool without them would otherwise retry the same hit forever.
-                    self.no_hit.add(req.request_id)
+                    # the pool without them would otherwise retry the same hit forever. While
+                    # others run, their blocks come back, so the hit is worth another try.
+                    if not self.running:
+                        self.no_hit.add(req.request_id)
                 if self._reclaim_held_waiting(keep=req.request_id) or self._preempt_idle(out):
                     continue
                 break
