@@ -14,6 +14,7 @@ import torch
 
 from cache.kv_cache_spec import KVCacheConfig
 from cache.tiers import DiskTier, HostTier, RedisTier, TierCoordinator, make_fingerprint
+from cache.tiers.swap import MODES
 from cache.tiers.transfer import payload_bytes, run_transfers
 
 
@@ -37,6 +38,11 @@ def _check_bytes(name: str, value) -> None:
 def attach_tiers(engine, config, kv_config: KVCacheConfig) -> TierCoordinator | None:
     """Build the configured tiers (host RAM, disk, remote, top to bottom) and hook their
     coordinator into the engine's scheduler; None when no tier is configured."""
+    if config.preemption_mode not in MODES:
+        raise ValueError(f"preemption_mode must be one of {', '.join(MODES)}, got {config.preemption_mode!r}")
+    if not isinstance(config.swap_min_tokens, int) or isinstance(config.swap_min_tokens, bool) \
+            or config.swap_min_tokens < 1:
+        raise ValueError(f"swap_min_tokens must be a positive integer, got {config.swap_min_tokens!r}")
     _check_bytes("kv_host_tier_bytes", config.kv_host_tier_bytes)
     _check_bytes("kv_disk_tier_bytes", config.kv_disk_tier_bytes)
     if not isinstance(config.kv_tier_write_through, bool):
@@ -45,32 +51,33 @@ def attach_tiers(engine, config, kv_config: KVCacheConfig) -> TierCoordinator | 
         raise ValueError(f"kv_tier_salt must be a string, got {config.kv_tier_salt!r}")
     if config.kv_disk_tier_dir is not None and not isinstance(config.kv_disk_tier_dir, (str, os.PathLike)):
         raise ValueError(f"kv_disk_tier_dir must be a path, got {config.kv_disk_tier_dir!r}")
-    if config.kv_remote_tier_url is not None and not isinstance(config.kv_remote_tier_url, str):
-        raise ValueError(f"kv_remote_tier_url must be a redis:// URL, got {config.kv_remote_tier_url!r}")
+    if config.kv_remote_tier_url is not None:
+        RedisTier.check_url(config.kv_remote_tier_url)
+    if config.preemption_mode == "swap" and not config.kv_host_tier_bytes:
+        raise ValueError("preemption_mode='swap' needs a host tier: set kv_host_tier_bytes")
     if not (config.kv_host_tier_bytes or config.kv_disk_tier_dir or config.kv_remote_tier_url):
-        if config.preemption_mode == "swap":
-            raise ValueError("preemption_mode='swap' needs a host tier: set kv_host_tier_bytes")
         return None
     if not config.enable_prefix_caching:
         raise ValueError("KV tiers are keyed by prefix-cache block hashes: they need enable_prefix_caching=True")
-    fp = model_fingerprint(engine.model, engine.spec.name, kv_config, config.kv_tier_salt)
-    tiers = []
-    if config.kv_host_tier_bytes:
-        tiers.append(HostTier(config.kv_host_tier_bytes))
-    elif config.preemption_mode == "swap":
-        raise ValueError("preemption_mode='swap' needs a host tier: set kv_host_tier_bytes")
-    if config.kv_disk_tier_dir is not None:
-        if not config.kv_disk_tier_bytes:
-            raise ValueError("kv_disk_tier_bytes must be > 0 with kv_disk_tier_dir")
-        tiers.append(DiskTier(config.kv_disk_tier_dir, config.kv_disk_tier_bytes, fp))
-    if config.kv_remote_tier_url is not None:
+    if config.kv_disk_tier_dir is not None and not config.kv_disk_tier_bytes:
+        raise ValueError("kv_disk_tier_bytes must be > 0 with kv_disk_tier_dir")
+    remote = None
+    if config.kv_remote_tier_url is not None:      # first: an unreachable server fails before any work
         try:
-            tiers.append(RedisTier(config.kv_remote_tier_url))
+            remote = RedisTier(config.kv_remote_tier_url)
         except ValueError:
             raise
+        except ImportError:
+            raise ValueError("kv_remote_tier_url needs the redis client: pip install redis") from None
         except Exception as e:  # noqa: BLE001 - one line naming the setting
             raise ValueError(f"kv_remote_tier_url {config.kv_remote_tier_url!r}: cannot reach it "
                              f"({type(e).__name__}: {e})") from None
+    fp = model_fingerprint(engine.model, engine.spec.name, kv_config, config.kv_tier_salt)
+    tiers = [HostTier(config.kv_host_tier_bytes)] if config.kv_host_tier_bytes else []
+    if config.kv_disk_tier_dir is not None:
+        tiers.append(DiskTier(config.kv_disk_tier_dir, config.kv_disk_tier_bytes, fp))
+    if remote is not None:
+        tiers.append(remote)
     sizes = [payload_bytes(spans) for spans in engine.runner._copy_spans]
     coordinator = TierCoordinator(engine.kv_manager, tiers, fp, sizes, preemption_mode=config.preemption_mode,
                                   swap_min_tokens=config.swap_min_tokens,

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from runtime.config import EngineConfig
+from runtime.kv_tiers import attach_tiers
 from runtime.metrics import ServerMetrics
+from tests.serving import free_port
 from tests.zoo_parity import assert_all_free, tight_pool_blocks
 
 torch.set_num_threads(1)
@@ -62,3 +65,22 @@ def test_greedy_equal_with_tiers_on_and_off(tiny_hf, tmp_path, family):
     text = metrics.render().decode()
     assert f'zooinfer_kv_tier_hits{{model_name="m",tier="host"}} {float(t["tiers"]["host"]["hits"])}' in text
     assert f'zooinfer_kv_tier_hit_tokens{{model_name="m"}} {float(t["tier_hit_tokens"])}' in text
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"kv_host_tier_bytes": -1}, "kv_host_tier_bytes"), ({"kv_disk_tier_dir": 3}, "kv_disk_tier_dir"),
+    ({"preemption_mode": "sometimes"}, "preemption_mode"), ({"swap_min_tokens": 0}, "swap_min_tokens"),
+    ({"preemption_mode": "swap"}, "kv_host_tier_bytes"), ({"kv_remote_tier_url": "http://x"}, "kv_remote_tier_url"),
+    ({"kv_host_tier_bytes": 1 << 20, "enable_prefix_caching": False}, "enable_prefix_caching"),
+    ({"kv_tier_write_through": "yes"}, "kv_tier_write_through")])
+def test_bad_tier_settings_fail_in_one_line_naming_the_field(kwargs, field):
+    """Checked before the tiers touch the engine (hence engine=None here)."""
+    with pytest.raises(ValueError, match=field) as e:
+        attach_tiers(None, EngineConfig(**kwargs), None)
+    assert "\n" not in str(e.value)
+
+
+def test_unreachable_redis_fails_at_start_in_one_line():
+    with pytest.raises(ValueError, match="kv_remote_tier_url") as e:
+        attach_tiers(None, EngineConfig(kv_remote_tier_url=f"redis://127.0.0.1:{free_port()}/0"), None)
+    assert "cannot reach it" in str(e.value) and "\n" not in str(e.value)

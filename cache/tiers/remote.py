@@ -21,13 +21,17 @@ class RedisTier(Tier):
 
     def __init__(self, url: str, capacity_bytes: int = 1 << 62, socket_timeout: float = 5.0):
         super().__init__(capacity_bytes)
+        self.check_url(url)
         import redis                      # optional dependency: only a remote tier needs it
-        if not url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"kv_remote_tier_url must be a redis:// (rediss://, unix://) URL, got {url!r}")
         self.url = url
         self.client = redis.Redis.from_url(url, socket_timeout=socket_timeout)
         self.client.ping()                # fail at start-up, in one line, if it is not there
         self._used = (-1.0, -1)           # (when, used_memory): stats read it at most once a second
+
+    @staticmethod
+    def check_url(url) -> None:
+        if not isinstance(url, str) or not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote_tier_url must be a redis:// (rediss://, unix://) URL, got {url!r}")
 
     def contains_many(self, keys: list[bytes]) -> list[bool]:
         if not keys:
