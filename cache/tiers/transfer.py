@@ -56,30 +56,30 @@ def _by_group(items, gid_of):
 
 
 def run_transfers(t: KVTransfers, spans: list[list[torch.Tensor]], device: torch.device) -> None:
-    """Apply `t` to the pool: `spans[g]` are group g's `[num_blocks, bytes]` uint8 views."""
+    """Apply `t` to the pool: `spans[g]` are group g's `[num_blocks, bytes]` uint8 views.
+    On CUDA every device op here runs on one side stream (made to wait for the work queued
+    so far), and the current stream waits for it before the forward."""
     if not t:
         return
-    cuda = device.type == "cuda"
-    side = torch.cuda.Stream(device) if cuda else None
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
     if side is not None:
         side.wait_stream(torch.cuda.current_stream(device))     # the last forward's writes land first
-    for gid, positions in _by_group(t.reads, lambda r: r[0]).items():
-        ids = torch.tensor([t.reads[i][1] for i in positions], dtype=torch.long, device=device)
-        if side is None:
-            t._read_parts.append((positions, torch.cat([s.index_select(0, ids) for s in spans[gid]], 1), None))
-            continue
-        with torch.cuda.stream(side):
-            dev = torch.cat([s.index_select(0, ids) for s in spans[gid]], 1)
-            host = torch.empty(dev.shape, dtype=torch.uint8, pin_memory=True)
-            host.copy_(dev, non_blocking=True)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        for gid, positions in _by_group(t.reads, lambda r: r[0]).items():
+            ids = torch.tensor([t.reads[i][1] for i in positions], dtype=torch.long).to(device)
+            pages = torch.cat([s.index_select(0, ids) for s in spans[gid]], 1)
+            if side is None:
+                t._read_parts.append((positions, pages, None))
+                continue
+            host = torch.empty(pages.shape, dtype=torch.uint8, pin_memory=True)
+            host.copy_(pages, non_blocking=True)
             event = torch.cuda.Event()
             event.record(side)
-        t._read_parts.append((positions, host, event))
-    for gid, positions in _by_group(t.writes, lambda w: w[0]).items():
-        ids = torch.tensor([t.writes[i][1] for i in positions], dtype=torch.long, device=device)
-        rows = torch.from_numpy(np.frombuffer(b"".join(t.writes[i][2] for i in positions), dtype=np.uint8)
-                                .reshape(len(positions), -1).copy())
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            t._read_parts.append((positions, host, event))
+        for gid, positions in _by_group(t.writes, lambda w: w[0]).items():
+            ids = torch.tensor([t.writes[i][1] for i in positions], dtype=torch.long).to(device)
+            rows = torch.from_numpy(np.frombuffer(b"".join(t.writes[i][2] for i in positions), dtype=np.uint8)
+                                    .reshape(len(positions), -1).copy())
             if side is not None:
                 rows = rows.pin_memory().to(device, non_blocking=True)
             col = 0
