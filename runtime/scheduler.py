@@ -6,7 +6,9 @@ in total: a long prompt is simply scheduled a chunk at a time (chunked prefill),
 is a request one token behind. Running requests go first, in admission order; waiting ones
 are admitted FCFS while the budget, `max_num_seqs` and the KV pool allow. When the pool runs
 dry, the most recently admitted running request is preempted by recompute: its blocks are
-freed and it rejoins the head of the waiting queue. With `policy="priority"` (vLLM's
+freed and it rejoins the head of the waiting queue (with KV tiers, a long one is swapped to
+host RAM instead, and a prompt whose prefix sits in a tier waits off the queue while it loads:
+cache/tiers/). With `policy="priority"` (vLLM's
 `--scheduling-policy priority`) the waiting queue is kept in (priority, arrival) order, lower
 first, and the running request with the largest (priority, arrival) among those not yet
 scheduled this step is the one preempted.
@@ -265,7 +267,10 @@ class Scheduler:
         short_of_room = bool(out.preempted_req_ids)
         if self.tiers is not None and not short_of_room:    # requests whose tier hits have arrived
             for req in reversed(self.tiers.poll(block=not (self.running or self.waiting))):
-                self.waiting.appendleft(req) if self.policy == "fcfs" else self._enqueue(req)
+                if self.policy == "fcfs":
+                    self.waiting.appendleft(req)
+                else:
+                    self._enqueue(req)
         while self.waiting and budget > 0 and not short_of_room and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit, looked_up = 0, False
