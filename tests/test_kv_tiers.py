@@ -84,3 +84,38 @@ def test_unreachable_redis_fails_at_start_in_one_line():
     with pytest.raises(ValueError, match="kv_remote_tier_url") as e:
         attach_tiers(None, EngineConfig(kv_remote_tier_url=f"redis://127.0.0.1:{free_port()}/0"), None)
     assert "cannot reach it" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_request_waiting_for_its_kv_does_not_stall_the_others(tiny_hf):
+    """While a prompt's prefix loads from a (here: held back) tier, it waits off the queue
+    and a running request keeps decoding; once the load lands, the prompt gets its tier
+    hit and the same answer as the first time."""
+    import threading
+    path, _ = tiny_hf("llama")
+    llm = LLM(path, max_model_len=160, num_kv_blocks=40, kv_host_tier_bytes=1 << 24)
+    engine, host = llm.engine, llm.engine.tiers.host
+    a = _ids(60, 5)
+    first = llm.generate([{"prompt_token_ids": a}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm.generate([{"prompt_token_ids": _ids(120, 50 + i)} for i in range(5)], GREEDY, use_tqdm=False)
+    assert engine.tiers.counters["written_back_blocks"] >= 3      # a's blocks left the pool for the tier
+    gate, load = threading.Event(), host._load
+    host._load = lambda key: gate.wait(30) and load(key)
+    b = engine.make_request({"prompt_token_ids": _ids(20, 6)}, SamplingParams(temperature=0, max_tokens=40,
+                                                                             ignore_eos=True))
+    engine.add_request(b)
+    engine.step()
+    again = engine.make_request({"prompt_token_ids": a}, GREEDY)
+    engine.add_request(again)
+    done = {}
+    for _ in range(6):
+        for out in engine.step():
+            done[out.request_id] = out
+    assert engine.kv_cache_stats()["kv_tiers"]["num_waiting_for_kv"] == 1
+    assert len(b.output_token_ids) >= 6 and again.request_id not in done
+    gate.set()
+    while engine.has_unfinished():
+        for out in engine.step():
+            done[out.request_id] = out
+    assert done[again.request_id].outputs[0].token_ids == first
+    assert done[again.request_id].num_cached_tokens == 48         # 3 full blocks, one token left to compute
+    assert engine.kv_cache_stats()["kv_tiers"]["tier_hit_tokens"] == 48
