@@ -43,10 +43,10 @@ def chat(llm: LLM, num_convs: int = 4, turns: int = 3, system: int = 40) -> list
 TIGHT = dict(max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3", "mistral", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "bamba", "granite", "qwen3_next"])
 def test_greedy_equal_with_tiers_on_and_off(tiny_hf, tmp_path, family):
-    """Gemma 3 and Mistral have sliding windows (20 tokens), Bamba Mamba2 and Qwen3-Next
-    Gated DeltaNet state layers: every kind's entries go through the tiers."""
+    """Gemma 3 and Mistral have sliding windows (20 tokens), Bamba and Granite-4.0-H Mamba2,
+    Qwen3-Next Gated DeltaNet state layers: every kind's entries go through the tiers."""
     path, _ = tiny_hf(family)
     blocks = tight_pool_blocks(path, TIGHT["max_model_len"], TIGHT["max_num_batched_tokens"])
     want = chat(LLM(path, **TIGHT, num_kv_blocks=400))            # tiers off (and a roomy pool)
