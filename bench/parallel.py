@@ -72,7 +72,7 @@ def measure(model: str, tp: int, batch: int, prompt_len: int, decode_steps: int,
         while engine.has_unfinished():
             engine.step()
     finally:
-        engine.shutdown()
+        engine.close()
     decode = steps[1:]
     med = lambda xs: statistics.median(xs) * 1e3       # noqa: E731
     return {"prefill_ms": steps[0][0] * 1e3, "prefill_comm_ms": steps[0][1] * 1e3,

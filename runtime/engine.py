@@ -20,6 +20,7 @@ import torch
 
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
+from kernels import cpu_features
 from models import resolve_spec
 from models.builder import DTYPES
 from models.parallel import shard_spec
@@ -27,6 +28,7 @@ from models.pipeline import stage_layers
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
 from runtime.executor import make_executor
@@ -81,6 +83,8 @@ class Engine:
         self.executor = make_executor(spec, config, dtype)
         self.model = self.executor.model
         phase("weights")
+        if config.device == "cpu":
+            cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         eos = list(spec.eos_token_ids)
@@ -108,6 +112,7 @@ class Engine:
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
         self.runner = self.executor.runner      # rank 0's runner
+        self.tiers = attach_tiers(self, config, kv_config)    # None unless a KV tier is configured
         phase("KV cache")
         if config.compile:
             self.executor.warm_up()
@@ -274,10 +279,6 @@ class Engine:
             if self._structured is not None:
                 self._structured.remove(rid)
 
-    def shutdown(self) -> None:
-        """Stop the executor's worker processes (tensor parallel); a no-op for one process."""
-        self.executor.shutdown()
-
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -383,6 +384,12 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
                              num_cached_tokens=req.num_cached_tokens)
 
+    def close(self) -> None:
+        """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py),
+        and the executor's worker processes (tensor / pipeline parallel) stop."""
+        close_tiers(self)
+        self.executor.shutdown()
+
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""
         return requests_that_fit(self.kv_manager.config, num_tokens, self.config.max_num_batched_tokens)
@@ -392,4 +399,7 @@ class Engine:
         stats["num_preemptions"] = self.scheduler.num_preemptions
         stats["num_running"] = len(self.scheduler.running)
         stats["num_waiting"] = len(self.scheduler.waiting)
+        if self.tiers is not None:
+            stats["kv_tiers"] = self.tiers.stats()
+            stats["num_waiting"] += stats["kv_tiers"]["num_waiting_for_kv"]
         return stats

@@ -43,7 +43,7 @@ def tp_llm(model, **kwargs):
     try:
         yield llm
     finally:
-        llm.engine.shutdown()
+        llm.engine.close()
         deadline = time.monotonic() + 10
         while not all(_gone(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -19,6 +19,7 @@ import torch
 
 from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
+from cache.tiers.transfer import run_transfers
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
 from runtime.worker.logits_processors import LogitsEdits
@@ -184,6 +185,8 @@ class ModelRunner:
         """A step up to its final hidden states (batch delta, inputs, forward, page copies);
         `finish_step` samples. Pipeline stages run several of these before finishing any
         (runtime/executor/multiproc.py: micro-batches in flight)."""
+        if so.kv_transfers is not None:          # KV tiers: evicted pages out, tier hits / swap-ins in
+            run_transfers(so.kv_transfers, self._copy_spans, self.device)
         self._update_batch(so)
         b = self.batch
         rows = np.fromiter((b.req_id_to_row[r] for r in so.num_scheduled_tokens), dtype=np.int64,
