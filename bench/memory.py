@@ -20,7 +20,6 @@ spec kind is handled through `page_size_bytes` / `state_bytes`, so new kinds nee
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
 from cache.kv_cache_spec import KVCacheSpec, StateSpec
@@ -47,13 +46,13 @@ def static_bytes_per_request(specs: dict[int, KVCacheSpec], max_model_len: int) 
         if isinstance(s, StateSpec):
             total += s.state_bytes
         else:
-            total += math.ceil(max_model_len / s.block_size) * s.page_size_bytes
+            total += s.max_blocks_for(max_model_len) * s.page_size_bytes
     return total
 
 
 def layer_bytes_per_token(specs: dict[int, KVCacheSpec]) -> float:
     """What one token of context needs in the KV layers' own pages (no padding)."""
-    return sum(s.page_size_bytes / s.block_size for s in specs.values() if not isinstance(s, StateSpec))
+    return sum(s.page_size_bytes / s.tokens_per_block for s in specs.values() if not isinstance(s, StateSpec))
 
 
 def _kinds(config) -> str:

@@ -27,6 +27,12 @@ class KVCacheSpec:
         """Logical blocks a request of `num_tokens` tokens spans."""
         return -(-num_tokens // self.block_size)
 
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens of context one allocated block covers (more than `block_size` where only
+        some blocks are allocated: compressed entries with a rate above the block size)."""
+        return self.block_size
+
     def max_live_blocks(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         """Blocks a request of `num_tokens` tokens holds at most at once, when it computes
         at most `chunk_tokens` tokens per step (None: all at once)."""
@@ -254,6 +260,10 @@ class CompressedEntrySpec(KVCacheSpec):
     def max_blocks_for(self, num_tokens: int) -> int:
         """Real (non-null) blocks `num_tokens` tokens need."""
         return -(-num_tokens // self.block_size) // self.block_stride
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size * self.block_stride
 
     def check(self) -> None:
         m, bs = self.compress_rate, self.block_size
