@@ -1,0 +1,157 @@
+"""`zooinfer::compressed_attention`: DeepSeek-V4's CSA / HCA attention over paged caches.
+
+One call per layer per step does what HF's `DeepseekV4Attention` + compressor + indexer do
+with their dynamic caches, on the pool (plans in attention/compressed_plan.py):
+
+1. write this step's K=V rows into the sliding cache and its compressor source rows
+   (`[kv | gate]`, CSA also `[indexer kv | indexer gate]`) into the rows cache;
+2. close every window this step completes: gather its source rows back from the pages
+   (CSA entry w pools window w-1's Ca half and window w's Cb half, 2m rows; HCA m rows),
+   gated softmax with the position bias, kv_norm, the compress rope at position w*m, and
+   write the entry (and the indexer key) to its slot;
+3. attend: each query sees its sliding window plus the compressed entries visible to it
+   (w < (t+1) // m): all of them (HCA) or the indexer's top-k among them (CSA: scores
+   sum_h w_{t,h} relu(q_{t,h} . k) * index_dim^-0.5), in one softmax with the per-head sink.
+   Values are the keys (shared K=V, MQA).
+
+Vectorised over requests: decodes in one padded part, prefill chunks in another (query
+tiles bound the float32 scores, as in attention/mla.py), any chunking. Opaque to
+torch.compile (it finds its plans in the forward context by cache id), so the model
+compiles with fullgraph and new batch shapes never recompile.
+"""
+from __future__ import annotations
+
+import torch
+
+from attention.compressed_plan import EntryPlan, RowsPlan
+from attention.context import get_forward_context
+from attention.mla import SCORE_BYTES, MLAPlan
+
+
+def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's rope: rotate the last 2 * cos.shape[-1] dims of x in interleaved pairs
+    (x0, x1), (x2, x3), ... in float32; cos / sin broadcast against x[..., :r/2] (e.g.
+    [T, 1, r/2] for [T, heads, d]). The shared-KV block (models/shared_kv_attention.py) and
+    this op's compressed entries both use it."""
+    r = 2 * cos.shape[-1]
+    nope, rot = x[..., :-r], x[..., -r:].float()
+    x1, x2 = rot[..., 0::2], rot[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    return torch.cat((nope, out.to(x.dtype)), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's DeepseekV4RMSNorm: float32 statistics and weight, cast back once."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * h).to(x.dtype)
+
+
+def pool_entries(src: torch.Tensor, valid: torch.Tensor, dim: int, overlap: bool, position_bias: torch.Tensor,
+                 norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Compressed entries from their windows' source rows.
+
+    src: [E, S, 2C] rows `[kv | gate]` with C = 2*dim (overlap: Ca | Cb halves) or dim;
+    valid: [E, S] (False rows get no weight); cos / sin: [E, rope/2] at each entry's w*m."""
+    c = src.shape[-1] // 2
+    kv, gate = src[..., :c], src[..., c:]
+    if overlap:
+        m = src.shape[1] // 2
+        kv = torch.cat((kv[:, :m, :dim], kv[:, m:, dim:]), dim=1)
+        gate = torch.cat((gate[:, :m, :dim] + position_bias[:, :dim], gate[:, m:, dim:] + position_bias[:, dim:]), 1)
+    else:
+        gate = gate + position_bias
+    gate = gate.masked_fill(~valid[..., None], float("-inf"))
+    pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+    return rope_tail(rms_norm(pooled, norm_weight, eps), cos, sin)
+
+
+def _select(iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
+    """The lightning indexer's choice: [n, rows, NE] bool, the top-k visible entries by
+    sum_h w_h relu(q_h . k) (iq: [n, rows, IH, ID], already scaled weights iw: [n, rows, IH])."""
+    scores = torch.einsum("nrhd,ned->nrhe", iq.float(), ikeys.float()).relu() * iq.shape[-1] ** -0.5
+    scores = (scores * iw.float()[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))
+    top = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
+    return torch.zeros_like(visible).scatter_(-1, top, visible.gather(-1, top))
+
+
+def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, iq: torch.Tensor | None,
+                      iw: torch.Tensor | None, sinks: torch.Tensor, params: list[torch.Tensor],
+                      cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor], cache_id: int,
+                      topk: int, scale: float, eps: float) -> torch.Tensor:
+    """One CSA (`iq` given) or HCA layer's step (module docstring).
+
+    q: [t, H, D] (normed, roped); kv: [t, D] K=V rows; rows: [t, R] compressor source rows;
+    iq: [t, IH, ID] roped indexer queries, iw: [t, IH] their head weights (CSA); params:
+    position bias and kv_norm weight of the compressor (then of the indexer, CSA); cos / sin:
+    the compress rope tables [positions, rope/2]; caches: sliding, entries, rows (, indexer
+    keys) at cache ids `cache_id`, +1, +2 (, +3). Returns [t, H, D]."""
+    meta = get_forward_context().layer_meta
+    sp: MLAPlan = meta[cache_id]
+    ep: EntryPlan = meta[cache_id + 1]
+    rp: RowsPlan = meta[cache_id + 2]
+    k_cache, e_cache, r_cache = caches[:3]
+    csa = iq is not None
+    k_cache.index_put_((sp.slot_block, sp.slot_offset), kv.to(k_cache.dtype))
+    r_cache.index_put_((rp.slot_block, rp.slot_offset), rows.to(r_cache.dtype))
+    dim = q.shape[-1]
+    if rp.num_new:
+        src = r_cache[rp.src_block, rp.src_offset].to(q.dtype)               # [E, S, R]
+        c, s = cos[rp.entry_pos], sin[rp.entry_pos]                         # rope at w * m
+        main = 4 * dim if csa else 2 * dim
+        entries = pool_entries(src[..., :main], rp.src_valid, dim, csa, params[0], params[1], eps, c, s)
+        e_cache.index_put_((ep.dst_block, ep.dst_slot), entries.to(e_cache.dtype))
+        if csa:
+            ip: EntryPlan = meta[cache_id + 3]
+            keys = pool_entries(src[..., main:], rp.src_valid, iq.shape[-1], True, params[2], params[3], eps, c, s)
+            caches[3].index_put_((ip.dst_block, ip.dst_slot), keys.to(caches[3].dtype))
+    out = q.new_empty(q.shape)
+    num_heads = q.shape[1]
+    for i, part in enumerate(sp.parts):
+        epart = ep.parts[i]
+        n, max_q = part.token_index.shape
+        keys = torch.cat((k_cache.index_select(0, part.pages).view(n, -1, dim),
+                          e_cache.index_select(0, epart.pages).view(n, -1, dim)), dim=1).to(q.dtype)
+        ikeys = caches[3].index_select(0, meta[cache_id + 3].parts[i].pages).view(n, -1, iq.shape[-1]) if csa else None
+        tile = max(1, SCORE_BYTES // (4 * n * num_heads * keys.shape[1]))
+        for q0 in range(0, max_q, tile):
+            index = part.token_index[:, q0: q0 + tile]
+            r = index.shape[1]
+            visible = epart.visible[:, q0: q0 + tile]
+            if csa:
+                visible = _select(iq[index], iw[index], ikeys, visible, topk)
+            mask = torch.cat((part.mask[:, 0, q0: q0 + tile], visible), dim=-1)          # [n, r, K]
+            scores = torch.bmm(q[index].view(n, r * num_heads, dim), keys.transpose(1, 2))
+            scores = scores.view(n, r, num_heads, -1).float() * scale
+            scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
+            sink = sinks.float().view(1, 1, num_heads, 1).expand(n, r, num_heads, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+            o = torch.bmm(probs.to(q.dtype).view(n, r * num_heads, -1), keys).view(n, r, num_heads, dim)
+            if part.valid is None:
+                out[index.reshape(-1)] = o.reshape(-1, num_heads, dim)
+            else:
+                valid = part.valid[:, q0: q0 + tile]
+                out[index[valid]] = o[valid]
+    return out
+
+
+@torch.library.custom_op("zooinfer::compressed_attention", mutates_args=("caches",))
+def compressed_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, iq: torch.Tensor | None,
+                         iw: torch.Tensor | None, sinks: torch.Tensor, params: list[torch.Tensor],
+                         cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor], cache_id: int,
+                         topk: int, scale: float, eps: float) -> torch.Tensor:
+    return compressed_attend(q, kv, rows, iq, iw, sinks, params, cos, sin, caches, cache_id, topk, scale, eps)
+
+
+@compressed_attention.register_fake
+def _(q, kv, rows, iq, iw, sinks, params, cos, sin, caches, cache_id, topk, scale, eps):
+    return torch.empty_like(q)
+
+
+def compressed_attention_op():
+    """The custom op under torch.compile (opaque to the graph), the plain function in eager."""
+    return torch.ops.zooinfer.compressed_attention if torch.compiler.is_compiling() else compressed_attend
+
+
+__all__ = ["compressed_attend", "compressed_attention", "compressed_attention_op", "pool_entries", "rms_norm",
+           "rope_tail"]
