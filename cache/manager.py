@@ -168,12 +168,14 @@ class CompressedEntryManager(SingleTypeKVCacheManager):
         return sum(1 for j in self._new_slots(held, num_tokens) if self.spec.holds_entries(j))
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """The new table slots in order, null ones included: the runner appends them to the
+        request's row, which must stay positional."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
-        slots = self._new_slots(len(blocks), num_tokens)
-        holds = [self.spec.holds_entries(j) for j in slots]
+        holds = [self.spec.holds_entries(j) for j in self._new_slots(len(blocks), num_tokens)]
         new = iter(self.pool.get_new_blocks(sum(holds)))
-        blocks.extend(next(new) if h else self.pool.null_block for h in holds)
-        return [b for b in blocks[len(blocks) - len(holds):] if not b.is_null]
+        added = [next(new) if h else self.pool.null_block for h in holds]
+        blocks.extend(added)
+        return added
 
 
 class StateManager(SingleTypeKVCacheManager):

@@ -121,3 +121,54 @@ def test_spec_errors_name_the_field(sliding, change, message):
         data[key] = {**data[key], **value} if isinstance(value, dict) else value
     with pytest.raises(SpecError, match=re.escape(message)):
         spec_from_dict(data, "v4.yaml")
+
+
+# ---------------------------------------------------------------- compressed attention (CSA / HCA)
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+COMPRESSED = {
+    # CSA m=4 (overlapping windows, indexer top-3 of up to 21 entries) and HCA m=8 beside a
+    # sliding layer: 20-60 token prompts close many windows in every layer type
+    "csa4_hca8": dict(num_hidden_layers=4, layer_types=["sliding_attention", CSA, HCA, CSA],
+                      mlp_layer_types=["hash_moe", "moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 8}),
+    # HCA m=32 > the block size: only every 2nd entry block exists (null blocks between), and
+    # prefix hits at 16 / 48 tokens end inside an HCA window
+    "hca32": dict(num_hidden_layers=3, layer_types=[HCA, CSA, "sliding_attention"],
+                  mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 32}),
+}
+
+
+@pytest.fixture(scope="module", params=list(COMPRESSED))
+def compressed(request, tmp_path_factory):
+    """index_topk 3 < the entries most queries see, so the indexer's choice matters. Its relu
+    scores can tie at exactly 0 (torch.topk's order among ties is unspecified); 8 index heads
+    make an all-zero row (every head's q.k <= 0) improbable, so HF and we pick the same set."""
+    config = v4_config(index_topk=3, index_n_heads=8, **COMPRESSED[request.param])
+    ref = zoo_parity.reference(v4_model(config), tmp_path_factory.mktemp(f"v4-{request.param}"))
+    ref.variant = request.param
+    return ref
+
+
+@pytest.mark.parametrize("regime", zoo_parity.REGIMES)
+def test_compressed_matches_hf(compressed, regime):
+    llm = zoo_parity.check_regime(compressed, regime)
+    if regime == "default":       # every layer type owns its caches: K=V rows, entries, source rows, keys
+        kinds = [g["kind"] for g in llm.kv_cache_stats()["groups"]]
+        assert {"SlidingRowsSpec", "CompressedEntrySpec"} <= set(kinds)
+
+
+def test_compressed_import_and_cache_layout(compressed):
+    spec = spec_from_hf_dir(compressed.path)
+    c, layout = spec.compressed_attention, COMPRESSED[compressed.variant]
+    assert spec.layer_kinds == [{"sliding_attention": "swa_shared_kv"}.get(t, t) for t in layout["layer_types"]]
+    assert c.compress_rates == layout["compress_rates"]
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (8, 16, 3)
+    llm = LLM(compressed.path)
+    specs = llm.engine.model.kv_cache_specs(16, torch.float32)
+    # CSA owns 4 caches, HCA 3, the sliding layer 1: consecutive cache ids in layer order
+    assert len(specs) == sum({CSA: 4, HCA: 3}.get(t, 1) for t in layout["layer_types"])
+    hca = next(s for s in specs.values() if getattr(s, "compress_rate", 0) == layout["compress_rates"][HCA]
+               and type(s).__name__ == "CompressedEntrySpec")
+    assert hca.entries_per_page == max(1, 16 // hca.compress_rate)
+    rows = [s for s in specs.values() if type(s).__name__ == "SlidingRowsSpec" and s.compress_rate]
+    assert sorted(s.sliding_window for s in rows) == sorted(
+        2 * c.compress_rates[CSA] if t == CSA else c.compress_rates[HCA] for t in layout["layer_types"] if t in (CSA, HCA))
