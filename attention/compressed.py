@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from attention.compressed_plan import EntryPlan, RowsPlan
+from attention.compressed_plan import EntryPart, EntryPlan, RowsPlan
 from attention.context import get_forward_context
 from attention.mla import SCORE_BYTES, MLAPlan
 
@@ -75,11 +75,34 @@ def _select(iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, visible: to
     return torch.zeros_like(visible).scatter_(-1, top, visible.gather(-1, top))
 
 
-def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, iq: torch.Tensor | None,
+def _close_windows(meta: list, cache_id: int, rows: torch.Tensor, caches: list[torch.Tensor], dim: int,
+                   index_dim: int, params: list[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                   eps: float) -> None:
+    """Write this step's source rows, then pool every window it closes into its entry (and,
+    with an indexer, its key) in the pages."""
+    ep: EntryPlan = meta[cache_id + 1]
+    rp: RowsPlan = meta[cache_id + 2]
+    r_cache, csa = caches[2], len(caches) == 4
+    r_cache.index_put_((rp.slot_block, rp.slot_offset), rows.to(r_cache.dtype))
+    if not rp.num_new:
+        return
+    src = r_cache[rp.src_block, rp.src_offset].to(rows.dtype)                  # [E, S, R]
+    c, s = cos[rp.entry_pos], sin[rp.entry_pos]                                 # rope at w * m
+    main = 4 * dim if csa else 2 * dim
+    entries = pool_entries(src[..., :main], rp.src_valid, dim, csa, params[0], params[1], eps, c, s)
+    caches[1].index_put_((ep.dst_block, ep.dst_slot), entries.to(caches[1].dtype))
+    if csa:
+        ip: EntryPlan = meta[cache_id + 3]
+        keys = pool_entries(src[..., main:], rp.src_valid, index_dim, True, params[2], params[3], eps, c, s)
+        caches[3].index_put_((ip.dst_block, ip.dst_slot), keys.to(caches[3].dtype))
+
+
+def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None, iq: torch.Tensor | None,
                       iw: torch.Tensor | None, sinks: torch.Tensor, params: list[torch.Tensor],
                       cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor], cache_id: int,
                       topk: int, scale: float, eps: float) -> torch.Tensor:
-    """One CSA (`iq` given) or HCA layer's step (module docstring).
+    """One V4 attention layer's step (module docstring): CSA (4 caches, `iq` given), HCA
+    (3 caches) or sliding only (1 cache, `rows` None: V4's sliding layers, K stored once).
 
     q: [t, H, D] (normed, roped); kv: [t, D] K=V rows; rows: [t, R] compressor source rows;
     iq: [t, IH, ID] roped indexer queries, iw: [t, IH] their head weights (CSA); params:
@@ -88,39 +111,31 @@ def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, iq:
     keys) at cache ids `cache_id`, +1, +2 (, +3). Returns [t, H, D]."""
     meta = get_forward_context().layer_meta
     sp: MLAPlan = meta[cache_id]
-    ep: EntryPlan = meta[cache_id + 1]
-    rp: RowsPlan = meta[cache_id + 2]
-    k_cache, e_cache, r_cache = caches[:3]
-    csa = iq is not None
+    k_cache, dim, num_heads = caches[0], q.shape[-1], q.shape[1]
     k_cache.index_put_((sp.slot_block, sp.slot_offset), kv.to(k_cache.dtype))
-    r_cache.index_put_((rp.slot_block, rp.slot_offset), rows.to(r_cache.dtype))
-    dim = q.shape[-1]
-    if rp.num_new:
-        src = r_cache[rp.src_block, rp.src_offset].to(q.dtype)               # [E, S, R]
-        c, s = cos[rp.entry_pos], sin[rp.entry_pos]                         # rope at w * m
-        main = 4 * dim if csa else 2 * dim
-        entries = pool_entries(src[..., :main], rp.src_valid, dim, csa, params[0], params[1], eps, c, s)
-        e_cache.index_put_((ep.dst_block, ep.dst_slot), entries.to(e_cache.dtype))
-        if csa:
-            ip: EntryPlan = meta[cache_id + 3]
-            keys = pool_entries(src[..., main:], rp.src_valid, iq.shape[-1], True, params[2], params[3], eps, c, s)
-            caches[3].index_put_((ip.dst_block, ip.dst_slot), keys.to(caches[3].dtype))
+    compressed, csa = len(caches) > 1, iq is not None
+    if compressed:
+        _close_windows(meta, cache_id, rows, caches, dim, iq.shape[-1] if csa else 0, params, cos, sin, eps)
     out = q.new_empty(q.shape)
-    num_heads = q.shape[1]
     for i, part in enumerate(sp.parts):
-        epart = ep.parts[i]
         n, max_q = part.token_index.shape
-        keys = torch.cat((k_cache.index_select(0, part.pages).view(n, -1, dim),
-                          e_cache.index_select(0, epart.pages).view(n, -1, dim)), dim=1).to(q.dtype)
-        ikeys = caches[3].index_select(0, meta[cache_id + 3].parts[i].pages).view(n, -1, iq.shape[-1]) if csa else None
+        keys = k_cache.index_select(0, part.pages).view(n, -1, dim)
+        if compressed:
+            epart: EntryPart = meta[cache_id + 1].parts[i]
+            keys = torch.cat((keys, caches[1].index_select(0, epart.pages).view(n, -1, dim)), dim=1)
+        keys = keys.to(q.dtype)
+        if csa:
+            ikeys = caches[3].index_select(0, meta[cache_id + 3].parts[i].pages).view(n, -1, iq.shape[-1])
         tile = max(1, SCORE_BYTES // (4 * n * num_heads * keys.shape[1]))
         for q0 in range(0, max_q, tile):
             index = part.token_index[:, q0: q0 + tile]
             r = index.shape[1]
-            visible = epart.visible[:, q0: q0 + tile]
-            if csa:
-                visible = _select(iq[index], iw[index], ikeys, visible, topk)
-            mask = torch.cat((part.mask[:, 0, q0: q0 + tile], visible), dim=-1)          # [n, r, K]
+            mask = part.mask[:, 0, q0: q0 + tile]                                   # [n, r, K]
+            if compressed:
+                visible = epart.visible[:, q0: q0 + tile]
+                if csa:
+                    visible = _select(iq[index], iw[index], ikeys, visible, topk)
+                mask = torch.cat((mask, visible), dim=-1)
             scores = torch.bmm(q[index].view(n, r * num_heads, dim), keys.transpose(1, 2))
             scores = scores.view(n, r, num_heads, -1).float() * scale
             scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
@@ -136,7 +151,7 @@ def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, iq:
 
 
 @torch.library.custom_op("zooinfer::compressed_attention", mutates_args=("caches",))
-def compressed_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor, iq: torch.Tensor | None,
+def compressed_attention(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | None, iq: torch.Tensor | None,
                          iw: torch.Tensor | None, sinks: torch.Tensor, params: list[torch.Tensor],
                          cos: torch.Tensor, sin: torch.Tensor, caches: list[torch.Tensor], cache_id: int,
                          topk: int, scale: float, eps: float) -> torch.Tensor:
