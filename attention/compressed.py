@@ -66,13 +66,15 @@ def pool_entries(src: torch.Tensor, valid: torch.Tensor, dim: int, overlap: bool
     return rope_tail(rms_norm(pooled, norm_weight, eps), cos, sin)
 
 
-def _select(iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
-    """The lightning indexer's choice: [n, rows, NE] bool, the top-k visible entries by
-    sum_h w_h relu(q_h . k) (iq: [n, rows, IH, ID], already scaled weights iw: [n, rows, IH])."""
+def _select(iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, visible: torch.Tensor,
+            topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lightning indexer's choice: (entry indices [n, rows, k], valid [n, rows, k]), the
+    top-k visible entries by sum_h w_h relu(q_h . k) (iq: [n, rows, IH, ID]; iw: [n, rows, IH],
+    already scaled). A query that sees fewer than k entries gets invalid picks for the rest."""
     scores = torch.einsum("nrhd,ned->nrhe", iq.float(), ikeys.float()).relu() * iq.shape[-1] ** -0.5
     scores = (scores * iw.float()[..., None]).sum(dim=2).masked_fill(~visible, float("-inf"))
     top = scores.topk(min(topk, scores.shape[-1]), dim=-1).indices
-    return torch.zeros_like(visible).scatter_(-1, top, visible.gather(-1, top))
+    return top, visible.gather(-1, top)
 
 
 def _close_windows(meta: list, cache_id: int, rows: torch.Tensor, caches: list[torch.Tensor], dim: int,
@@ -122,26 +124,36 @@ def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | No
         keys = k_cache.index_select(0, part.pages).view(n, -1, dim)
         if compressed:
             epart: EntryPart = meta[cache_id + 1].parts[i]
-            keys = torch.cat((keys, caches[1].index_select(0, epart.pages).view(n, -1, dim)), dim=1)
+            if csa:     # the indexer scores every visible entry; attention reads only its picks
+                ikeys = caches[3].index_select(0, meta[cache_id + 3].parts[i].pages).view(n, -1, iq.shape[-1])
+                entry_pages, per_page = epart.pages.view(n, -1), caches[1].shape[1]
+            else:       # HCA: every visible entry, dense
+                keys = torch.cat((keys, caches[1].index_select(0, epart.pages).view(n, -1, dim)), dim=1)
         keys = keys.to(q.dtype)
-        if csa:
-            ikeys = caches[3].index_select(0, meta[cache_id + 3].parts[i].pages).view(n, -1, iq.shape[-1])
-        tile = max(1, SCORE_BYTES // (4 * n * num_heads * keys.shape[1]))
+        width = keys.shape[1] + (topk if csa else 0)
+        tile = max(1, SCORE_BYTES // (4 * n * num_heads * width))
         for q0 in range(0, max_q, tile):
             index = part.token_index[:, q0: q0 + tile]
             r = index.shape[1]
+            queries = q[index]                                                       # [n, r, H, D]
             mask = part.mask[:, 0, q0: q0 + tile]                                   # [n, r, K]
-            if compressed:
-                visible = epart.visible[:, q0: q0 + tile]
-                if csa:
-                    visible = _select(iq[index], iw[index], ikeys, visible, topk)
-                mask = torch.cat((mask, visible), dim=-1)
-            scores = torch.bmm(q[index].view(n, r * num_heads, dim), keys.transpose(1, 2))
-            scores = scores.view(n, r, num_heads, -1).float() * scale
+            if compressed and not csa:
+                mask = torch.cat((mask, epart.visible[:, q0: q0 + tile]), dim=-1)
+            scores = torch.bmm(queries.view(n, r * num_heads, dim), keys.transpose(1, 2)).view(n, r, num_heads, -1)
+            if csa:     # the picked entries of each query, gathered from their pages: [n, r, k, D]
+                top, picked = _select(iq[index], iw[index], ikeys, epart.visible[:, q0: q0 + tile], topk)
+                rows = torch.arange(n, device=top.device)[:, None, None]
+                chosen = caches[1][entry_pages[rows, top // per_page], top % per_page].to(q.dtype)
+                scores = torch.cat((scores, torch.einsum("nrhd,nrkd->nrhk", queries, chosen)), dim=-1)
+                mask = torch.cat((mask, picked), dim=-1)
+            scores = scores.float() * scale
             scores = scores.masked_fill(~mask[:, :, None, :], float("-inf"))
             sink = sinks.float().view(1, 1, num_heads, 1).expand(n, r, num_heads, 1)
-            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
-            o = torch.bmm(probs.to(q.dtype).view(n, r * num_heads, -1), keys).view(n, r, num_heads, dim)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1].to(q.dtype)
+            window = keys.shape[1]
+            o = torch.bmm(probs[..., :window].reshape(n, r * num_heads, -1), keys).view(n, r, num_heads, dim)
+            if csa:
+                o = o + torch.einsum("nrhk,nrkd->nrhd", probs[..., window:], chosen)
             if part.valid is None:
                 out[index.reshape(-1)] = o.reshape(-1, num_heads, dim)
             else:
