@@ -181,3 +181,33 @@ def test_compressed_compiles_once(compressed, inductor_cache):
     if compressed.variant != "csa4_hca8":
         pytest.skip("one compressed layout is enough for the compile check")
     test_compile.test_compiled_equals_eager_one_graph_no_recompiles(str(compressed.path), inductor_cache)
+
+
+def test_compressed_entries_change_the_output(compressed):
+    """Parity is not blind to the compressed branch: attending to fewer CSA picks (top-1) and
+    to zeroed HCA entries changes the greedy tokens."""
+    llm = LLM(compressed.path)
+    for layer in llm.engine.model.layers:
+        mixer = layer.self_attn
+        if getattr(mixer, "compressor", None) is not None:
+            if mixer.csa:
+                mixer.topk = 1
+            else:
+                mixer.compressor.kv_norm.data.zero_()
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in compressed.prompts], zoo_parity.GREEDY, use_tqdm=False)]
+    assert got != compressed.ref
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"compress_rates": {CSA: 6, HCA: 8}}, f"compressed_attention.compress_rates.{CSA}: must be a positive int"),
+    ({"compress_rates": {CSA: 4}}, f"compressed_attention.compress_rates.{HCA}: must be a positive int"),
+    ({"index_topk": 0}, "compressed_attention.index_topk: must be > 0"),
+])
+def test_compressed_spec_errors_name_the_field(compressed, change, message):
+    if compressed.variant != "csa4_hca8":
+        pytest.skip("one layout is enough")
+    data = spec_to_dict(spec_from_hf_dir(compressed.path))
+    data["compressed_attention"] = {**data["compressed_attention"], **change}
+    with pytest.raises(SpecError, match=re.escape(message)):
+        spec_from_dict(data, "v4.yaml")
