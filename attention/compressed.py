@@ -130,8 +130,9 @@ def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | No
             else:       # HCA: every visible entry, dense
                 keys = torch.cat((keys, caches[1].index_select(0, epart.pages).view(n, -1, dim)), dim=1)
         keys = keys.to(q.dtype)
-        width = keys.shape[1] + (topk if csa else 0)
-        tile = max(1, SCORE_BYTES // (4 * n * num_heads * width))
+        # query tiles bound both float32 score tensors: attention's and (CSA) the indexer's
+        per_query = num_heads * (keys.shape[1] + topk) + (iq.shape[1] * ikeys.shape[1] if csa else 0)
+        tile = max(1, SCORE_BYTES // (4 * n * per_query))
         for q0 in range(0, max_q, tile):
             index = part.token_index[:, q0: q0 + tile]
             r = index.shape[1]

@@ -211,3 +211,11 @@ def test_compressed_spec_errors_name_the_field(compressed, change, message):
     data["compressed_attention"] = {**data["compressed_attention"], **change}
     with pytest.raises(SpecError, match=re.escape(message)):
         spec_from_dict(data, "v4.yaml")
+
+
+def test_compressed_query_tiles(compressed, monkeypatch):
+    """Prefill chunks split into one-query tiles (as a long chunk of a wide model is) give the
+    same tokens."""
+    import attention.compressed
+    monkeypatch.setattr(attention.compressed, "SCORE_BYTES", 1)
+    zoo_parity.check_regime(compressed, "default")

@@ -106,7 +106,7 @@ def _validate(kind: str):
     def validate(spec: ModelSpec, fail: Fail) -> None:
         skv.validate(spec, fail)
         sec = spec.compressed_attention
-        rates = sec.compress_rates or {}
+        rates = sec.compress_rates if isinstance(sec.compress_rates, dict) else {}
         m = rates.get(kind)
         if not isinstance(m, int) or m <= 0 or (16 % m and m % 16):
             fail(f"compressed_attention.compress_rates.{kind}",
@@ -117,6 +117,10 @@ def _validate(kind: str):
             for name in ("index_n_heads", "index_head_dim", "index_topk"):
                 if not getattr(sec, name) or getattr(sec, name) <= 0:
                     fail(f"compressed_attention.{name}", f"must be > 0 for {kind} layers, got {getattr(sec, name)}")
+            rotary = int(spec.attention.head_dim * spec.rope.partial_rotary_factor)
+            if sec.index_head_dim < rotary:
+                fail("compressed_attention.index_head_dim", f"the indexer ropes its last {rotary} dims (the "
+                                                            f"model's rotary dim): needs >= {rotary}, got {sec.index_head_dim}")
     return validate
 
 
