@@ -128,7 +128,8 @@ def import_hf(cfg: dict, spec: dict) -> None:
     """DeepseekV4Config's compressor and indexer fields (and the shared block's, and the
     window every V4 attention layer has)."""
     skv.import_hf(cfg, spec)
-    rates = cfg.get("compress_rates") or {CSA_NAME: 4, HCA_NAME: 128}
+    rates = cfg.get("compress_rates") or {CSA_NAME: cfg.get("compress_rate_csa", 4),   # older configs' scalars
+                                          HCA_NAME: cfg.get("compress_rate_hca", 128)}
     spec["compressed_attention"].update(compress_rates={k: int(v) for k, v in rates.items()},
                                         index_n_heads=cfg["index_n_heads"], index_head_dim=cfg["index_head_dim"],
                                         index_topk=cfg["index_topk"])
