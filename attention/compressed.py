@@ -139,10 +139,10 @@ def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | No
             queries = q[index]                                                       # [n, r, H, D]
             mask = part.mask[:, 0, q0: q0 + tile]                                   # [n, r, K]
             if compressed and not csa:
-                mask = torch.cat((mask, epart.visible[:, q0: q0 + tile]), dim=-1)
+                mask = torch.cat((mask, epart.visible(q0, q0 + r)), dim=-1)
             scores = torch.bmm(queries.view(n, r * num_heads, dim), keys.transpose(1, 2)).view(n, r, num_heads, -1)
             if csa:     # the picked entries of each query, gathered from their pages: [n, r, k, D]
-                top, picked = _select(iq[index], iw[index], ikeys, epart.visible[:, q0: q0 + tile], topk)
+                top, picked = _select(iq[index], iw[index], ikeys, epart.visible(q0, q0 + r), topk)
                 rows = torch.arange(n, device=top.device)[:, None, None]
                 chosen = caches[1][entry_pages[rows, top // per_page], top % per_page].to(q.dtype)
                 scores = torch.cat((scores, torch.einsum("nrhd,nrkd->nrhk", queries, chosen)), dim=-1)

@@ -79,7 +79,14 @@ class RowsPlan:
 class EntryPart:
     """One part's entries: the gathered pages put entry w of a request at index w."""
     pages: torch.Tensor             # [n * cols] entry-holding block ids, row-major
-    visible: torch.Tensor           # [n, max_q, cols * entries_per_page] bool: w < (t+1) // m
+    seen: torch.Tensor              # [n, max_q] entries query t sees: (t+1) // m (w < seen)
+    width: int                      # cols * entries_per_page, the gathered entries per request
+
+    def visible(self, q0: int, q1: int) -> torch.Tensor:
+        """[n, q1 - q0, width] bool: which gathered entries queries q0..q1 of each request see
+        (built on the device, per query tile)."""
+        entry = torch.arange(self.width, device=self.seen.device)
+        return entry[None, None, :] < self.seen[:, q0:q1, None]
 
 
 @dataclass(slots=True)
@@ -108,9 +115,7 @@ class EntryPlan:
             col_block = np.minimum(np.arange(width) * block_stride + block_stride - 1, table.shape[1] - 1)
             pages = table[rows[:, None], col_block[None, :]].astype(np.int64)
             q_pos = (ctx - q_lens)[:, None] + np.arange(int(q_lens.max()))[None, :]
-            entry = np.arange(width * entries_per_page)
-            visible = entry[None, None, :] < ((q_pos + 1) // m)[:, :, None]
-            parts.append(EntryPart(t(pages.reshape(-1)), t(visible)))
+            parts.append(EntryPart(t(pages.reshape(-1)), t((q_pos + 1) // m), width * entries_per_page))
         return EntryPlan(t(dst_block), t(w % entries_per_page), parts, len(req))
 
 

@@ -139,8 +139,9 @@ def test_plans_pair_new_entries_with_their_source_rows():
     # entry w of a request in its table's block ((w+1)*4-1)//16, slot w % 4
     assert entries.dst_block.tolist() == [1, 9, 9, 9, 10] and entries.dst_slot.tolist() == [2, 1, 2, 3, 0]
     decode, prefill = entries.parts
-    assert decode.visible.shape == (1, 1, 4) and decode.visible[0, 0].tolist() == [True] * 3 + [False]
+    assert decode.visible(0, 1).shape == (1, 1, 4) and decode.visible(0, 1)[0, 0].tolist() == [True] * 3 + [False]
     # query at position 5 sees entry 0 ((5+1)//4 = 1), position 22 sees entries 0..4
-    assert prefill.visible[0, 0].sum() == 1 and prefill.visible[0, 17].sum() == 5
+    visible = prefill.visible(0, 18)
+    assert visible[0, 0].sum() == 1 and visible[0, 17].sum() == 5
     first = RowsPlan.build(_layout([5], [5]), 4, True, torch.device("cpu"))
     assert first.src_valid[0].tolist() == [False] * 4 + [True] * 4       # entry 0 has no Ca half
