@@ -21,7 +21,10 @@ close can read are exactly those of the last 2m (CSA: entry w pools windows w-1 
 (HCA) positions, so a sliding window of them holds the buffer and the CSA overlap state,
 and a prefix hit at any 16-token boundary restores both exactly from cached row blocks: no
 checkpoint copies (which a StateSpec would need, one per hit point) and nothing to roll
-back. An entry sits in the block of the token that closes it (cache/kv_cache_spec.py), so
+back (a rejected draft token's row, or an entry it closed, is simply rewritten when the real
+token at that position is computed). The price: like any sliding group, a prefill chunk
+holds its own rows' blocks until the window slides past them (CSA: 2560 values a token at
+V4-Flash size), which dominates a short request's pool use at large chunks. An entry sits in the block of the token that closes it (cache/kv_cache_spec.py), so
 HCA (m' = 128 > 16) allocates only every 8th block of its entry table and pays entry bytes
 / 128 per token. The rope of these layers and their compressor is `rope` (V4's "compress"
 rope); the sliding layers' is `rope_local` (V4's "main").
