@@ -175,7 +175,8 @@ def test_compressed_import_and_cache_layout(compressed):
         2 * c.compress_rates[CSA] if t == CSA else c.compress_rates[HCA] for t in layout["layer_types"] if t in (CSA, HCA))
 
 
-def test_compressed_compiles_once(compressed, inductor_cache):
+@pytest.mark.slow     # a cold compile of this model: ~4 min on 2 shared cores (the default-run
+def test_compressed_compiles_once(compressed, inductor_cache):   # entry belongs in test_compile's list)
     """torch.compile of the CSA / HCA model (the harness of tests/test_compile.py): one graph
     at warm-up, no graph break, nothing recompiled as batches change, eager's tokens."""
     if compressed.variant != "csa4_hca8":
