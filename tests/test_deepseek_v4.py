@@ -220,3 +220,13 @@ def test_compressed_query_tiles(compressed, monkeypatch):
     import attention.compressed
     monkeypatch.setattr(attention.compressed, "SCORE_BYTES", 1)
     zoo_parity.check_regime(compressed, "default")
+
+
+@pytest.mark.parametrize("budget", [5, 13])
+def test_compressed_other_chunkings(compressed, budget):
+    """More prefill chunkings not aligned to the compress rates or the block size."""
+    if compressed.variant != "csa4_hca8":
+        pytest.skip("one layout is enough")
+    llm = LLM(compressed.path, max_num_batched_tokens=budget)
+    assert zoo_parity._generate(llm, compressed.prompts) == compressed.ref
+    zoo_parity.assert_all_free(llm)
