@@ -26,6 +26,7 @@ from models.builder import DTYPES
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
 from runtime.worker.model_runner import ModelRunner
@@ -102,6 +103,7 @@ class Engine:
                                   kv_dtype=dtype, compile=config.compile,
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
+        self.tiers = attach_tiers(self, config, kv_config)    # None unless a KV tier is configured
         phase("KV cache")
         if config.compile:
             self.runner.warm_up()
@@ -373,6 +375,10 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
                              num_cached_tokens=req.num_cached_tokens)
 
+    def close(self) -> None:
+        """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py)."""
+        close_tiers(self)
+
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""
         return requests_that_fit(self.kv_manager.config, num_tokens, self.config.max_num_batched_tokens)
@@ -382,4 +388,7 @@ class Engine:
         stats["num_preemptions"] = self.scheduler.num_preemptions
         stats["num_running"] = len(self.scheduler.running)
         stats["num_waiting"] = len(self.scheduler.waiting)
+        if self.tiers is not None:
+            stats["kv_tiers"] = self.tiers.stats()
+            stats["num_waiting"] += stats["kv_tiers"]["num_waiting_for_kv"]
         return stats
