@@ -230,3 +230,17 @@ def test_compressed_other_chunkings(compressed, budget):
     llm = LLM(compressed.path, max_num_batched_tokens=budget)
     assert zoo_parity._generate(llm, compressed.prompts) == compressed.ref
     zoo_parity.assert_all_free(llm)
+
+
+def test_compressed_with_kv_tiers(compressed, tmp_path):
+    """The compressed caches go through the KV tiers below the pool (eviction write-back, tier
+    hits, swap on preemption) with greedy outputs unchanged (tests/test_kv_tiers.py's chat)."""
+    from tests.test_kv_tiers import TIGHT, chat
+    blocks = zoo_parity.tight_pool_blocks(compressed.path, TIGHT["max_model_len"], TIGHT["max_num_batched_tokens"])
+    want = chat(LLM(compressed.path, **TIGHT, num_kv_blocks=4000))
+    on = LLM(compressed.path, **TIGHT, num_kv_blocks=blocks, kv_host_tier_bytes=1 << 26, kv_disk_tier_dir=str(tmp_path),
+             preemption_mode="auto", swap_min_tokens=24)
+    assert chat(on) == want
+    t = on.kv_cache_stats()["kv_tiers"]
+    assert t["written_back_blocks"] > 0 and t["tier_hit_tokens"] > 0
+    zoo_parity.assert_all_free(on)
