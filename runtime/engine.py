@@ -20,6 +20,7 @@ import torch
 
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
+from kernels import cpu_features
 from models import build_model, load_weights, resolve_spec
 from models.prepack import prepack_linears
 from models.builder import DTYPES
@@ -81,6 +82,8 @@ class Engine:
             if packed:
                 phase("prepack")
                 log.info("packed %d linear weights in %.2f s", packed, self.startup_seconds["prepack"])
+        if config.device == "cpu":
+            cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         eos = list(spec.eos_token_ids)
