@@ -70,6 +70,8 @@ class LayerKind:
     derived_tensors: tuple[str, ...] = ()   # checkpoint tensor name suffixes it recomputes (decay
                                     # tables HF saves as buffers): the loader skips them
     tp: TPRule | None = None        # its tensor-parallel sharding; None: tp > 1 refuses the kind
+    num_caches: int = 1             # caches one mixer owns (consecutive cache ids); above 1 its
+                                    # `cache_spec` returns that many specs and `forward` gets a list
 
 
 def linear_sources(ours: str, hf: str, parts: list[tuple[str, int, int]], bias: bool) -> Sources:
