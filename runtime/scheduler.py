@@ -261,7 +261,9 @@ class Scheduler:
         while self.waiting and budget > 0 and not short_of_room and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit, looked_up = 0, False
-            if self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit:
+            # A hit would skip the positions whose prompt logprobs were asked for (vLLM skips it too).
+            if self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit \
+                    and req.sampling_params.prompt_logprobs is None:
                 looked_up = True
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
                 hit = self.kv.reuse_prefix(req.request_id, req.block_hashes, req.num_tokens)
