@@ -37,6 +37,11 @@ def bad_param(e: ValueError) -> APIError:
     return APIError(400, message, getattr(e, "param", None), "invalid_request")
 
 
+def _finite(logprob: float) -> float:
+    """-inf (a token masked out) as the JSON number OpenAI uses for it."""
+    return max(logprob, -9999.0)
+
+
 def _sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
@@ -178,22 +183,46 @@ class OpenAIServer:
         return f"token_id:{token_id}" if body.return_tokens_as_token_ids else (lp.decoded_token or "")
 
     def completion_logprobs(self, out: RequestOutput, body, start: int = 0) -> dict | None:
-        """OpenAI's completions logprobs from token `start` on; `text_offset` is each token's
-        character offset in the choice's text (its tokens' texts laid end to end)."""
+        """OpenAI's completions logprobs from output token `start` on; `text_offset` is each
+        token's character offset in the choice's text (its tokens' texts laid end to end).
+        With `echo` the prompt's tokens come first, with their prompt logprobs (vLLM's shape:
+        the first prompt token has none, so its logprob and top_logprobs are null)."""
         lps, k = out.outputs[0].logprobs, body.logprobs
         if lps is None:
             return None
         ids = out.outputs[0].token_ids
-        offset = sum(len(d[t].decoded_token or "") for t, d in zip(ids[:start], lps[:start]))
-        offsets = []
-        for t, d in zip(ids[start:], lps[start:]):
-            offsets.append(offset)
-            offset += len(d[t].decoded_token or "")
-        return {"tokens": [self._spell(body, t, d[t]) for t, d in zip(ids[start:], lps[start:])],
-                "token_logprobs": [d[t].logprob for t, d in zip(ids[start:], lps[start:])],
-                "top_logprobs": [{self._spell(body, tid, lp): lp.logprob for tid, lp in self._top(d, k or 0)}
+        if body.echo and out.prompt_logprobs is not None:
+            ids, lps = [*out.prompt_token_ids, *ids], [*out.prompt_logprobs, *lps]
+            start = start + len(out.prompt_token_ids) if start else 0
+        words = [self._word(body, t, d) for t, d in zip(ids, lps)]
+        offsets = [0]
+        for w in words[:-1]:
+            offsets.append(offsets[-1] + len(w))
+        return {"tokens": words[start:],
+                "token_logprobs": [None if d is None else _finite(d[t].logprob) for t, d in zip(ids[start:], lps[start:])],
+                "top_logprobs": [None if d is None else
+                                 {self._spell(body, tid, lp): _finite(lp.logprob) for tid, lp in self._top(d, k or 0)}
                                  for d in lps[start:]],
-                "text_offset": offsets}
+                "text_offset": offsets[start:]}
+
+    def _word(self, body, token_id: int, d: dict | None) -> str:
+        """A completions logprob token: its entry's text, or (the first prompt token, which has
+        no entry) the token decoded here."""
+        if d is not None:
+            return self._spell(body, token_id, d[token_id])
+        if body.return_tokens_as_token_ids or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def prompt_logprobs_json(out: RequestOutput) -> list | None:
+        """vLLM's `prompt_logprobs` field: per prompt token None (the first) or
+        {token id: {logprob, rank, decoded_token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if d is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for t, lp in d.items()}
+                for d in out.prompt_logprobs]
 
     async def beam(self, body, prompts: list, max_tokens: int | None, kind: str) -> dict:
         """use_beam_search: each prompt's n best beams become its n choices."""
@@ -239,7 +268,8 @@ class OpenAIServer:
         echo = self._echo(body, started)
         choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
                     "logprobs": self.completion_logprobs(out, body),
-                    "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out)}
+                    "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out),
+                    "prompt_logprobs": self.prompt_logprobs_json(out) if body.prompt_logprobs is not None else None}
                    for i, out in sorted(finals.items())]
         return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
 
@@ -300,6 +330,7 @@ class OpenAIServer:
                     "logprobs": self.chat_logprobs(out, body), **self._token_ids(body, out, prompt=False)}
                    for i, out in sorted(finals.items())]
         extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
+        extra["prompt_logprobs"] = self.prompt_logprobs_json(finals[0]) if body.prompt_logprobs is not None else None
         return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
 
     async def start_chat(self, body: ChatCompletionRequest):

@@ -31,8 +31,10 @@ def fan_out(request: Request) -> list[Request]:
         return [request]
     samples = [request]
     for i in range(1, p.n):
-        # Prompt logprobs belong to the prompt: sample 0 computes them, the others share its prefill.
+        # Prompt logprobs belong to the prompt: sample 0 computes them (the others fork from its
+        # prefill) and every sample reports the same list, complete before any sample's first token.
         s = request.clone(sample_id(request.request_id, i), dataclasses.replace(p.sample_params(i), prompt_logprobs=None))
+        s.prompt_logprobs = request.prompt_logprobs
         s.sample_index = i
         samples.append(s)
     request.sampling_params = p.sample_params(0)

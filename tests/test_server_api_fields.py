@@ -40,8 +40,37 @@ def test_echo_and_token_ids(served):
     assert "".join(e["choices"][0]["text"] for e in _events(stream) if e["choices"]) == echoed["text"]
     ids = _post(http, "completions", {**body, "prompt": [5, 6, 7], "echo": True}).json()["choices"][0]
     assert ids["text"].startswith(tok.decode([5, 6, 7]))
-    r = _post(http, "completions", {**body, "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and error_of(r)["param"] == "echo"
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(served):
+    """vLLM's shapes: `prompt_logprobs` per choice (completions) or per response (chat), the
+    first prompt token null; `echo` + `logprobs` puts the prompt's tokens and logprobs first."""
+    http, tok = served
+    prompt = "Once upon a time there was"
+    ids = tok.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    plain = _post(http, "completions", body).json()["choices"][0]
+    asked = _post(http, "completions", {**body, "prompt_logprobs": 1, "n": 2}).json()["choices"]
+    pl = asked[0]["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None and asked[1]["prompt_logprobs"] == pl
+    assert all(str(t) in d and 1 <= len(d) <= 2 for t, d in zip(ids[1:], pl[1:]))
+    assert plain["prompt_logprobs"] is None
+    echoed = _post(http, "completions", {**body, "echo": True}).json()["choices"][0]
+    lp = echoed["logprobs"]
+    n = len(ids)
+    assert echoed["text"] == prompt + plain["text"]
+    assert lp["tokens"][n:] == plain["logprobs"]["tokens"] and lp["token_logprobs"][n:] == plain["logprobs"]["token_logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == [pl[j][str(ids[j])]["logprob"] for j in range(1, n)]
+    assert lp["text_offset"][:n] == [len(tok.decode(ids[:j])) for j in range(n)]
+    assert "".join(lp["tokens"]) == echoed["text"]
+    stream = _post(http, "completions", {**body, "echo": True, "stream": True})
+    parts = [e["choices"][0]["logprobs"] for e in _events(stream) if e["choices"] and e["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in p[key]] == lp[key]
+    chat = _post(http, "chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(d) == 1 for d in chat["prompt_logprobs"][1:])
 
 
 def test_cached_tokens_in_usage(served):
