@@ -22,6 +22,7 @@ from runtime.limits import ParamError, short_repr
 from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from runtime.outputs import RequestOutput
 from runtime.structured_outputs import StructuredOutputsParams
+from runtime.token_bytes import TokenBytes
 
 
 class APIError(Exception):
@@ -57,6 +58,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.max_model_len = engine.engine.max_model_len
         self.tokenizer = engine.engine.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self.created = int(time.time())
 
     # ------------------------------------------------------------- shared request handling
@@ -306,9 +308,9 @@ class OpenAIServer:
         if lps is None:
             return None
 
-        def entry(tid: int, lp) -> dict:
-            tok = lp.decoded_token or ""
-            return {"token": self._spell(body, tid, lp), "logprob": lp.logprob, "bytes": list(tok.encode())}
+        def entry(tid: int, lp) -> dict:   # the token's own bytes, not its decoded text's (token_bytes.py)
+            raw = self.token_bytes(tid) if self.token_bytes is not None else (lp.decoded_token or "").encode()
+            return {"token": self._spell(body, tid, lp), "logprob": _finite(lp.logprob), "bytes": list(raw)}
 
         return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(tid, lp) for tid, lp in self._top(d, k or 0)]}
                             for t, d in zip(out.outputs[0].token_ids[start:], lps[start:])]}

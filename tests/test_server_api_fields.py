@@ -42,6 +42,22 @@ def test_echo_and_token_ids(served):
     assert ids["text"].startswith(tok.decode([5, 6, 7]))
 
 
+def test_chat_logprob_bytes_are_the_tokens_bytes(served):
+    """Tokens that split a character: `bytes` are the token's own (not U+FFFD's), top_logprobs too."""
+    from runtime.token_bytes import TokenBytes
+    http, tok = served
+    allowed = tok.encode("日本😀", add_special_tokens=False)
+    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "allowed_token_ids": allowed, "return_tokens_as_token_ids": True}
+    content = _post(http, "chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    spell = TokenBytes(tok)
+    entries = [e for c in content for e in (c, *c["top_logprobs"])]
+    assert len(content) == 8 and all(e["bytes"] == list(spell(int(e["token"][9:]))) for e in entries)
+    assert any("\ufffd" in tok.decode([int(e["token"][9:])]) and "\ufffd".encode() not in bytes(e["bytes"])
+               for e in content)
+    assert {int(e["token"][9:]) for e in content} <= set(allowed)
+
+
 def test_prompt_logprobs_and_echo_with_logprobs(served):
     """vLLM's shapes: `prompt_logprobs` per choice (completions) or per response (chat), the
     first prompt token null; `echo` + `logprobs` puts the prompt's tokens and logprobs first."""
