@@ -23,6 +23,7 @@ from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, er
 from runtime.outputs import RequestOutput
 from runtime.structured_outputs import StructuredOutputsParams
 from runtime.token_bytes import TokenBytes
+from runtime.tool_stream import ToolCallStream
 
 
 class APIError(Exception):
@@ -380,30 +381,36 @@ class OpenAIServer:
     def _message(self, out: RequestOutput, mode: str | None, key: str) -> dict:
         """A choice's message (or final delta) and finish reason: with tools, the calls the
         text holds (parsed, or constrained by tool_choice) and the content around them."""
-        c = out.outputs[0]
         content, calls = self.parse_calls(out, mode)
         msg = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             msg["tool_calls"] = [call.to_openai(j if key == "delta" else None) for j, call in enumerate(calls)]
-        # OpenAI: a forced (named) call finishes "stop"; calls the model chose, "tool_calls".
-        reason = "tool_calls" if calls and c.finish_reason == "stop" and not mode.startswith("named:") \
-            else c.finish_reason
-        return {key: msg, "finish_reason": reason}
+        return {key: msg, "finish_reason": self._finish_reason(out, calls, mode)}
+
+    @staticmethod
+    def _finish_reason(out: RequestOutput, calls: list, mode: str | None) -> str | None:
+        """OpenAI: a forced (named) call finishes "stop"; calls the model chose, "tool_calls"."""
+        reason = out.outputs[0].finish_reason
+        return "tool_calls" if calls and reason == "stop" and not mode.startswith("named:") else reason
 
     async def _stream_chat(self, body, started, head, mode: str | None = None) -> AsyncIterator[str]:
         for i in range(len(started) * body.n):
             yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                              "logprobs": None, "finish_reason": None}]})
         tools = mode not in (None, "none")
+        streams: dict[int, ToolCallStream] = {}
 
         def choice(delta: str, i: int, out: RequestOutput) -> dict | None:
             if not tools:
                 return {"delta": {"content": delta} if delta else {}}
-            if not out.finished:    # calls can only be told apart from content once complete
-                return None
-            final = self._message(out, mode, "delta")
-            final["delta"].pop("role")
-            return final
+            # Calls and content as they arrive (runtime/tool_stream.py); the final parse ends it.
+            s = streams.setdefault(i, ToolCallStream(mode, self.tool_parser))
+            if not out.finished:
+                part = s.feed(delta)
+                return {"delta": part} if part else None
+            s.text += delta
+            content, calls = self.parse_calls(out, mode)
+            return {"delta": s.finish(content, calls), "finish_reason": self._finish_reason(out, calls, mode)}
 
         async for event in self._stream(body, started, head,
                                         lambda out, start: self.chat_logprobs(out, body, start), choice):
@@ -424,9 +431,9 @@ class OpenAIServer:
                 lp = logprobs(out, sent_tokens.get(i, 0))
                 if delta or out.finished or (lp and next(iter(lp.values()))):
                     part = choice(delta, i, out)
-                    if part is None:       # held back (tool calls are sent whole at the end)
+                    sent_text[i] = max(upto, sent_text.get(i, 0))   # `choice` has seen the text
+                    if part is None:       # nothing to send yet (a tool call's name not complete)
                         continue
-                    sent_text[i] = max(upto, sent_text.get(i, 0))
                     sent_tokens[i] = len(c.token_ids)
                     chunk = {**head, "choices": [{"index": i, "logprobs": lp,
                                                   "finish_reason": c.finish_reason if out.finished else None, **part}]}
