@@ -141,18 +141,31 @@ class OpenAIServer:
                 if out.finished:
                     final[index] = out
 
-        task = asyncio.create_task(run())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await raw.is_disconnected():
+        await self.unless_disconnected(raw, run())
+        return final
+
+    @staticmethod
+    async def unless_disconnected(raw: Request, work):
+        """Await `work` (a non-streaming call's engine work); if the client disconnects first,
+        cancel it (which aborts its requests or beam searches and frees their blocks) and
+        raise CancelledError. The server does not cancel a handler when its client goes."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await raw.is_disconnected():
+                    task.cancel()
+                    break
+        finally:        # the handler itself cancelled (server shutdown, the ASGI layer): stop the work too
+            if not task.done():
                 task.cancel()
-                break
         await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled():
-            raise asyncio.CancelledError()
+        # A cancelled gather() of several searches ends with CancelledError as its exception.
+        if task.cancelled() or isinstance(task.exception(), asyncio.CancelledError):
+            raise APIError(499, "client closed the request", code="client_closed")   # nobody reads it
         if task.exception() is not None:
             raise task.exception()
-        return final
+        return task.result()
 
     @staticmethod
     def usage(started, finals) -> dict:
@@ -227,8 +240,9 @@ class OpenAIServer:
                                                  "decoded_token": lp.decoded_token} for t, lp in d.items()}
                 for d in out.prompt_logprobs]
 
-    async def beam(self, body, prompts: list, max_tokens: int | None, kind: str) -> dict:
-        """use_beam_search: each prompt's n best beams become its n choices."""
+    async def beam(self, body, prompts: list, max_tokens: int | None, kind: str, raw: Request) -> dict:
+        """use_beam_search: each prompt's n best beams become its n choices; a client that
+        disconnects stops every search (AsyncEngine.beam_search frees the beams' blocks)."""
         try:
             body.check()
             params = body.beam_params(max_tokens)
@@ -236,8 +250,8 @@ class OpenAIServer:
             raise bad_param(e) from None
         base = uuid.uuid4().hex
         try:
-            outs = await asyncio.gather(*(self.engine.beam_search(p, params, f"{base}-{i}")
-                                          for i, p in enumerate(prompts)))
+            outs = await self.unless_disconnected(raw, asyncio.gather(
+                *(self.engine.beam_search(p, params, f"{base}-{i}") for i, p in enumerate(prompts))))
         except ValueError as e:
             raise bad_param(e) from None
         choices = []
@@ -261,7 +275,7 @@ class OpenAIServer:
         except ParamError as e:
             raise bad_param(e) from None
         if body.use_beam_search:
-            return await self.beam(body, prompts, body.max_tokens, "text_completion")
+            return await self.beam(body, prompts, body.max_tokens, "text_completion", raw)
         base, started = await self.start(prompts, body, body.max_tokens, body.logprobs)
         rid, created = f"cmpl-{base}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -321,7 +335,7 @@ class OpenAIServer:
             prompt, _, mode = self.render_chat(body)
             if mode not in (None, "none"):
                 raise APIError(400, "tools: not supported with use_beam_search", "tools")
-            return await self.beam(body, [prompt], body.output_limit, "chat.completion")
+            return await self.beam(body, [prompt], body.output_limit, "chat.completion", raw)
         base, started, mode = await self.start_chat(body)
         rid, created = f"chatcmpl-{base}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}

@@ -8,7 +8,7 @@ import re
 import httpx
 import pytest
 
-from tests.serving import error_of, tiny_chat_client, tiny_chat_spec
+from tests.serving import error_of, metric, tiny_chat_client, tiny_chat_spec, wait_idle
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 
@@ -40,6 +40,24 @@ def test_echo_and_token_ids(served):
     assert "".join(e["choices"][0]["text"] for e in _events(stream) if e["choices"]) == echoed["text"]
     ids = _post(http, "completions", {**body, "prompt": [5, 6, 7], "echo": True}).json()["choices"][0]
     assert ids["text"].startswith(tok.decode([5, 6, 7]))
+
+
+def test_beam_search_client_disconnect_frees_every_beam(served):
+    """A client that drops a use_beam_search call stops the search mid-way: fewer forks than
+    the whole search makes, and afterwards nothing runs and every block is free."""
+    http, _ = served
+    base = str(http.base_url).rstrip("/")
+    body = {"prompt": "Once upon a time", "use_beam_search": True, "n": 8, "max_tokens": 200, "ignore_eos": True}
+    forks = metric(httpx.get(base + "/metrics").text, "zooinfer_num_forks")
+    assert len(_post(http, "completions", body).json()["choices"]) == 8
+    whole = metric(httpx.get(base + "/metrics").text, "zooinfer_num_forks") - forks
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    text = wait_idle(base)
+    assert metric(text, "zooinfer_num_requests_running") == metric(text, "zooinfer_num_requests_waiting") == 0
+    assert metric(text, "zooinfer_kv_cache_free_blocks") == metric(text, "zooinfer_kv_cache_blocks")
+    dropped = metric(text, "zooinfer_num_forks") - forks - whole
+    assert 0 < dropped < whole / 2, (dropped, whole)
 
 
 def test_chat_logprob_bytes_are_the_tokens_bytes(served):
