@@ -299,9 +299,9 @@ class OpenAIServer:
 
     @staticmethod
     def _token_ids(body, out: RequestOutput, prompt: bool = True) -> dict:
-        """vLLM's `return_token_ids` fields of one choice."""
+        """vLLM's `return_token_ids` fields of one choice (null unless asked for, as vLLM's)."""
         if not body.return_token_ids:
-            return {}
+            return {"token_ids": None, **({"prompt_token_ids": None} if prompt else {})}
         return {"token_ids": list(out.outputs[0].token_ids),
                 **({"prompt_token_ids": list(out.prompt_token_ids)} if prompt else {})}
 
@@ -346,7 +346,7 @@ class OpenAIServer:
         choices = [{"index": i, **self._message(out, mode, "message"),
                     "logprobs": self.chat_logprobs(out, body), **self._token_ids(body, out, prompt=False)}
                    for i, out in sorted(finals.items())]
-        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
+        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids) if body.return_token_ids else None}
         extra["prompt_logprobs"] = self.prompt_logprobs_json(finals[0]) if body.prompt_logprobs is not None else None
         return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
 
