@@ -24,6 +24,7 @@ checks the fixture substitution and the result parsing on a fake test file.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -76,9 +77,14 @@ _IMPORT = re.compile(r"No module named '([^']+)'")
 _FIXTURE = re.compile(r"fixture '(\w+)' not found")
 
 
-def parse_junit(xml_path: Path, rel: str) -> FileResult:
-    """One file's results from pytest's junit XML (collection errors included)."""
+_VLLM_IMPORT = re.compile(r"^\s*(?:from|import) (vllm\.(?!tokenizers\b)[\w.]+)", re.M)
+
+
+def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
+    """One file's results from pytest's junit XML (collection errors included). A file that
+    fails to collect and imports vLLM modules (its `source`) is not applicable for that."""
     res = FileResult(rel)
+    internal = _VLLM_IMPORT.search(source)
     if not xml_path.exists():
         res.not_applicable = "no results (pytest crashed)"
         return res
@@ -91,7 +97,8 @@ def parse_junit(xml_path: Path, rel: str) -> FileResult:
             missing = _IMPORT.search(problem.get("message", "") + (problem.text or ""))
             if not case.get("classname") or problem.get("message") == "collection failure":
                 top = missing.group(1).split(".")[0] if missing else None
-                res.not_applicable = (f"imports {missing.group(1)} (vLLM internals)" if top == "vllm" else
+                res.not_applicable = (f"imports {internal.group(1)} (vLLM internals)" if internal else
+                                      f"imports {missing.group(1)} (vLLM internals)" if top == "vllm" else
                                       f"needs {missing.group(1)}" if missing else f"collection error: {reason}")
             elif _FIXTURE.search(problem.text or ""):
                 fixture = _FIXTURE.search(problem.text).group(1)
@@ -105,20 +112,26 @@ def parse_junit(xml_path: Path, rel: str) -> FileResult:
     return res
 
 
+@functools.lru_cache
+def tokenizer_dir(spec: str) -> str:
+    """Where the spec's tokenizer lives (for the tests' get_tokenizer)."""
+    from models import resolve_spec
+    from models.loader import checkpoint_dir
+    s = resolve_spec(spec)
+    return str(s.resolve_path(s.tokenizer) if s.tokenizer else checkpoint_dir(s))
+
+
 def run_file(python: Path, checkout: Path, test: Path, spec: str, out_dir: Path, timeout: int,
              reuse: bool = False) -> FileResult:
     """Run one test file against our server (or, with `reuse`, re-read its last results)."""
     rel = str(test.relative_to(checkout))
     xml = out_dir / (rel.replace("/", "__") + ".xml")
     if reuse and xml.exists():
-        return parse_junit(xml, rel)
+        return parse_junit(xml, rel, test.read_text())
     xml.unlink(missing_ok=True)
-    tok = subprocess.run([sys.executable, "-c", "from models import resolve_spec; from models.loader import "
-                          "checkpoint_dir; s = resolve_spec(%r); print(s.resolve_path(s.tokenizer) if s.tokenizer "
-                          "else checkpoint_dir(s))" % spec], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{ROOT / 'bench'}", "ZOOINFER_CONFORMANCE_REPO": str(ROOT),
            "ZOOINFER_CONFORMANCE_PYTHON": sys.executable, "ZOOINFER_CONFORMANCE_SPEC": spec,
-           "ZOOINFER_CONFORMANCE_TOKENIZER": tok}
+           "ZOOINFER_CONFORMANCE_TOKENIZER": tokenizer_dir(spec)}
     cmd = [str(python), "-m", "pytest", rel, "-p", "conformance_plugin", "--confcutdir", str(checkout / SUITE),
            "-p", "no:cacheprovider", "-q", "-o", "asyncio_mode=auto", f"--junitxml={xml}"]
     try:
@@ -127,7 +140,7 @@ def run_file(python: Path, checkout: Path, test: Path, spec: str, out_dir: Path,
         res = FileResult(rel)
         res.failed.append(("<file>", f"timed out after {timeout} s"))
         return res
-    return parse_junit(xml, rel)
+    return parse_junit(xml, rel, test.read_text())
 
 
 def report(results: list[FileResult]) -> str:

@@ -172,8 +172,9 @@ def _install_modules() -> None:
     tokenizers.get_tokenizer = get_tokenizer
     vllm.tokenizers = tokenizers
     sys.modules.update({"vllm": vllm, "vllm.tokenizers": tokenizers})
+    import tests          # the checkout's package (on PYTHONPATH): its `utils` is ours from here on
+    tests.utils = utils
 
 
-def pytest_configure(config):
-    import tests          # the checkout's package: its `utils` is ours from here on
-    tests.utils = sys.modules.get("tests.utils") or _install_modules() or sys.modules["tests.utils"]
+# At import (`-p conformance_plugin`), before pytest loads any conftest that imports tests.utils.
+_install_modules()

@@ -408,9 +408,16 @@ class OpenAIServer:
         return "tool_calls" if calls and reason == "stop" and not mode.startswith("named:") else reason
 
     async def _stream_chat(self, body, started, head, mode: str | None = None) -> AsyncIterator[str]:
+        continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
         for i in range(len(started) * body.n):
-            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+            chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if continuous:      # vLLM: usage on every chunk, the role chunk included
+                n_prompt = len(started[i // body.n][1].prompt_token_ids)
+                chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+            if body.return_token_ids and i == 0:    # vLLM: the prompt's ids on the first chunk only
+                chunk["prompt_token_ids"] = list(started[0][1].prompt_token_ids)
+            yield _sse(chunk)
         tools = mode not in (None, "none")
         streams: dict[int, ToolCallStream] = {}
 
@@ -448,9 +455,11 @@ class OpenAIServer:
                     sent_text[i] = max(upto, sent_text.get(i, 0))   # `choice` has seen the text
                     if part is None:       # nothing to send yet (a tool call's name not complete)
                         continue
-                    sent_tokens[i] = len(c.token_ids)
                     chunk = {**head, "choices": [{"index": i, "logprobs": lp,
                                                   "finish_reason": c.finish_reason if out.finished else None, **part}]}
+                    if body.return_token_ids:   # vLLM: each chunk's new token ids
+                        chunk["choices"][0]["token_ids"] = list(c.token_ids[sent_tokens.get(i, 0):])
+                    sent_tokens[i] = len(c.token_ids)
                     if continuous:       # vLLM: this choice's usage so far on every chunk
                         n_prompt = len(out.prompt_token_ids)
                         chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": len(c.token_ids),

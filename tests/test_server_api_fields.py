@@ -38,6 +38,13 @@ def test_echo_and_token_ids(served):
     assert tok.decode(echoed["token_ids"]) == plain["text"] and plain["token_ids"] is None
     stream = _post(http, "completions", {**body, "echo": True, "stream": True})
     assert "".join(e["choices"][0]["text"] for e in _events(stream) if e["choices"]) == echoed["text"]
+    chat = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = _post(http, "chat/completions", chat).json()
+    events = _events(_post(http, "chat/completions", {**chat, "stream": True}))
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]             # first chunk only (vLLM)
+    assert not any("prompt_token_ids" in e for e in events[1:])
+    assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids", [])] == \
+        whole["choices"][0]["token_ids"]
     ids = _post(http, "completions", {**body, "prompt": [5, 6, 7], "echo": True}).json()["choices"][0]
     assert ids["text"].startswith(tok.decode([5, 6, 7]))
 
@@ -197,6 +204,10 @@ def test_logprob_details_and_continuous_usage(served):
     assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 7))
     streamed = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
     assert streamed == lp["text_offset"]
+    chat = _post(http, "chat/completions", {"messages": CHAT, "max_tokens": 3, "ignore_eos": True, "stream": True,
+                                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    used = [e["usage"]["completion_tokens"] for e in _events(chat) if e["choices"]]
+    assert used[0] == 0 and used[-1] == 3        # the role chunk has usage too (vLLM)
 
 
 def test_beam_search_over_http(served):
