@@ -273,6 +273,7 @@ class KVCacheManager:
         # there, so the next prompt that shares this prefix hits all of it.
         self.branch_points: dict[str, int] = {}
         self.num_fork_copies = 0            # pages copied for forks (cumulative)
+        self.on_free = None                 # KV tiers: called with each freed request id
 
     # ------------------------------------------------------------- prefix caching
     def reuse_prefix(self, request_id: str, hashes: list[bytes], num_tokens: int) -> int:
@@ -408,6 +409,8 @@ class KVCacheManager:
         return sum(m.num_blocks_to_allocate(request_id, num_tokens) for m in self.managers)
 
     def free(self, request_id: str) -> None:
+        if self.on_free is not None:
+            self.on_free(request_id)
         self.branch_points.pop(request_id, None)
         # A fork freed before its copies ran: drop them (their destination pages go back to
         # the pool) and unpin their sources.
