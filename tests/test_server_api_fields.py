@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 
 import httpx
 import pytest
@@ -58,8 +60,16 @@ def test_beam_search_client_disconnect_frees_every_beam(served):
     forks = metric(httpx.get(base + "/metrics").text, "zooinfer_num_forks")
     assert len(_post(http, "completions", body).json()["choices"]) == 8
     whole = metric(httpx.get(base + "/metrics").text, "zooinfer_num_forks") - forks
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(base + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.5))
+    # The same call on a raw socket, dropped once the search has forked (mid-search, whatever the load).
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((http.base_url.host, http.base_url.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    deadline = time.monotonic() + 60
+    while metric(httpx.get(base + "/metrics").text, "zooinfer_num_forks") - forks - whole < 8:
+        assert time.monotonic() < deadline, "the search never forked"
+        time.sleep(0.05)
+    sock.close()
     text = wait_idle(base)
     assert metric(text, "zooinfer_num_requests_running") == metric(text, "zooinfer_num_requests_waiting") == 0
     assert metric(text, "zooinfer_kv_cache_free_blocks") == metric(text, "zooinfer_kv_cache_blocks")
