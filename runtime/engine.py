@@ -32,6 +32,7 @@ from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
 from runtime.executor import make_executor
+from runtime.worker import prompt_logprobs
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.parallel_sampling import fan_out
 from runtime.request import Request, RequestStatus
@@ -162,6 +163,8 @@ class Engine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         params.validate_for_model(self.spec.vocab_size)
+        if params.prompt_logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise ParamError("prompt_logprobs: not supported with pipeline_parallel_size > 1 yet", "prompt_logprobs")
         text, ids = self.tokenize(prompt)
         if params.bad_words:
             self._tokenize_bad_words(params)
@@ -300,8 +303,9 @@ class Engine:
         if self._structured is not None and self._structured.matchers:
             so.grammar_bitmask = self._structured.bitmask(self._sampling_now(so))
         result = self.executor.execute(so)
+        outputs = [out for out in map(self._record_prompt_logprobs, (result.prompt_logprobs or {}).items())
+                   if out is not None]
         updated = self.scheduler.update(so, result.sampled, result.logprobs)
-        outputs = []
         for req in updated:
             try:
                 out = self._process(req)
@@ -353,6 +357,22 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
                              error=f"{type(error).__name__}: {error}")
 
+    def _record_prompt_logprobs(self, item) -> RequestOutput | None:
+        """Keep a step's prompt-logprob entries on their request (before `update` can finish it);
+        a failure here fails that request alone."""
+        rid, chunk = item
+        req = self.scheduler.requests.get(rid)
+        if req is None or req.prompt_logprobs is None:
+            return None
+        try:
+            prompt_logprobs.record(req.prompt_logprobs, chunk, self._spell_tokens)
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
+            return self._fail(req, e)
+        return None
+
+    def _spell_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None else [None] * len(ids)
+
     def _convert_logprobs(self, req: Request) -> None:
         """Turn the step's raw logprob entry into {token_id: Logprob} once, decoding the
         token strings here on the engine thread (the tokenizer is not shared across threads)."""
@@ -382,7 +402,7 @@ class Engine:
         if finished:
             self._detok.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             num_cached_tokens=req.num_cached_tokens)
+                             num_cached_tokens=req.num_cached_tokens, prompt_logprobs=req.prompt_logprobs)
 
     def close(self) -> None:
         """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py),

@@ -23,6 +23,8 @@ from cache.tiers.transfer import run_transfers
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
 from runtime.worker.logits_processors import LogitsEdits
+from runtime.worker import prompt_logprobs
+from runtime.worker.prompt_logprobs import PromptLogprobsChunk
 from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
 from runtime.worker.step_plan import StepBatch, plan_layers
@@ -32,6 +34,7 @@ from runtime.worker.step_plan import StepBatch, plan_layers
 class ModelRunnerOutput:
     sampled: dict[str, int]            # req id -> new token (only rows that completed)
     logprobs: dict[str, dict] | None   # req id -> {"token": (logprob, rank), "top": {id: logprob}}
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None   # req id -> this step's prompt entries
 
 
 class ModelRunner:
@@ -236,18 +239,21 @@ class ModelRunner:
                 self.forward(ids_t, pos_t, self.kv_caches)
         self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
-        return hidden, rows, done, logits_index, so.grammar_bitmask
+        prompt_lps = None
+        if (b.prompt_logprobs[rows] >= 0).any():    # from this forward's hidden states, no second pass
+            prompt_lps = prompt_logprobs.compute(hidden, self.model.compute_logits, b, rows, req_rows, positions)
+        return hidden, rows, done, logits_index, so.grammar_bitmask, prompt_lps
 
     @torch.inference_mode()
     def finish_step(self, pending) -> ModelRunnerOutput:
         """The sampled tokens of a `forward_step` (which may have finished the step already)."""
         if isinstance(pending, ModelRunnerOutput):
             return pending
-        hidden, rows, done, logits_index, grammar_bitmask = pending
+        hidden, rows, done, logits_index, grammar_bitmask, prompt_lps = pending
         b = self.batch
         sample_rows = rows[done]
         if not len(sample_rows):
-            return ModelRunnerOutput({}, None)
+            return ModelRunnerOutput({}, None, prompt_lps)
         meta = self._sampling_metadata(sample_rows, grammar_bitmask)
         out = self._sample(hidden[logits_index], meta)
 
@@ -259,7 +265,7 @@ class ModelRunner:
         b.num_tokens[rows_own] = n + 1
         req_ids = [b.req_ids[r] for r in sample_rows.tolist()]
         sampled = dict(zip(req_ids, tokens.tolist()))
-        return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))
+        return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows), prompt_lps)
 
     @staticmethod
     def _greedy_only(meta: SamplingMetadata) -> bool:
