@@ -91,7 +91,9 @@ class Engine:
         eos = list(spec.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
-        self.eos_token_ids = tuple(eos)
+        # An id past the vocabulary can never be sampled; banning it before min_tokens would index
+        # past the logits (a small variant inheriting its full model's eos, e.g. bamba-small).
+        self.eos_token_ids = tuple(t for t in eos if 0 <= t < spec.vocab_size)
         phase("tokenizer")
         try:
             kv_config = make_kv_cache_config(

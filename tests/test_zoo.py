@@ -104,3 +104,13 @@ def test_capacity_counts_every_group():
     state_pages = cfg.groups[0].spec.pages
     per_request = 3 * state_pages + 1000 // 16 + 1           # 3 state groups + 63 KV blocks
     assert llm.kv_cache_capacity(1000) == 200 // per_request
+
+
+def test_eos_past_the_vocabulary_is_dropped():
+    """bamba-small inherits Bamba-9B's eos id 128001, past its 512-token vocabulary: the engine
+    drops it (it can never be sampled), so min_tokens, which bans eos until then, works."""
+    llm = LLM(ZOO / "bamba-small.yaml", max_model_len=128)
+    assert 128001 in load_spec(ZOO / "bamba-small.yaml").eos_token_ids
+    assert llm.engine.eos_token_ids == ()
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=4, min_tokens=3), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
