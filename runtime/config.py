@@ -24,6 +24,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
+    # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...} (runtime/spec_decode);
+    # None: the spec's `speculative:` section, if any. {"method": None} turns that off.
+    speculative: dict | str | None = None
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):

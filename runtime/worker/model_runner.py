@@ -24,6 +24,7 @@ from runtime.worker.input_batch import InputBatch
 from runtime.worker.logits_processors import LogitsEdits
 from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
+from runtime.spec_decode.verifier import SpecVerifier
 from runtime.worker.step_plan import StepBatch, plan_layers
 
 
@@ -31,6 +32,7 @@ from runtime.worker.step_plan import StepBatch, plan_layers
 class ModelRunnerOutput:
     sampled: dict[str, int]            # req id -> new token (only rows that completed)
     logprobs: dict[str, dict] | None   # req id -> {"token": (logprob, rank), "top": {id: logprob}}
+    spec: dict | None = None           # req id -> SpecResult, for requests that verified drafts
 
 
 class ModelRunner:
@@ -47,6 +49,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_reqs, max_model_len, [kv_config.block_size] * len(kv_config.groups))
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.sampler = Sampler()
+        self.spec_verifier = SpecVerifier(max_num_reqs)   # speculative decoding's drafts and rollback
         # State mixers by cache id: `zooinfer::state_update` finds its module here (see ForwardContext).
         self.state_layers = model.state_mixers()
         self.compiled = compile
@@ -173,6 +176,8 @@ class ModelRunner:
         for rid, tokens in so.appended_token_ids.items():
             if rid in b.req_id_to_row:
                 b.append_tokens(rid, tokens)
+        if so.spec_token_ids:
+            self.spec_verifier.write_drafts(b, so.spec_token_ids)
         self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
@@ -222,11 +227,14 @@ class ModelRunner:
             torch._dynamo.decorators.mark_unbacked(ids_t, 0)
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
         self._copy_pages(so.copies_before)         # checkpoint loads, fork copies
+        saved = self.spec_verifier.snapshot(self) if so.spec_token_ids else None   # states before the drafts
         with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)):
             hidden = self.graphs.replay(graph_bs, input_ids, positions) if graph_bs else \
                 self.forward(ids_t, pos_t, self.kv_caches)
         self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
+        if so.spec_token_ids:
+            return self.spec_verifier.sample(self, so, hidden, rows, cu, done, seq_lens - num_sched, saved)
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput({}, None)

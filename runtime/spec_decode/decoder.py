@@ -1,0 +1,103 @@
+"""The engine's side of speculative decoding: who speculates, how far, and how well it went.
+
+After every step `SpecDecoder.step` records each verified request's acceptance and asks the
+proposer for the next drafts of the running requests that may speculate. A request may when
+its drafts can be verified exactly as its tokens would be sampled one at a time:
+
+- it samples its own tokens (not a beam, whose tokens come from the search above);
+- no logit edit depends on the tokens before a draft position: no penalties, logit_bias,
+  allowed_token_ids, bad_words or structured outputs (they would need per-position state);
+- it has at least min_tokens outputs, if it has stop tokens (they are banned until then);
+- it has room: a draft run plus its next token never passes max_tokens or max_model_len.
+
+Per-request k adapts to the request's measured acceptance (an exponential moving average
+of accepted / proposed): k * rate drafts, rounded; a request whose rate falls so low that
+this rounds to zero pauses and probes with one draft every `PROBE_EVERY` steps, so a
+request that stops copying stops paying for verification.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from runtime.request import Request
+from runtime.spec_decode.config import SpeculativeConfig
+from runtime.spec_decode.proposer import Proposer, make_proposer
+
+EMA = 0.3            # weight of the latest step in a request's acceptance rate
+PROBE_EVERY = 8      # a paused request proposes one draft this often (steps)
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
+        self.config = config
+        self.max_model_len = max_model_len
+        self.proposer = proposer or make_proposer(config)
+        self.rate: dict[str, float] = {}          # request id -> acceptance rate (EMA)
+        self.paused: dict[str, int] = {}          # request id -> steps since its last probe
+        k = config.num_speculative_tokens
+        self.num_drafts = 0                       # verifications (requests x steps with drafts)
+        self.num_draft_tokens = 0                 # draft tokens verified
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = np.zeros(k, dtype=np.int64)   # position j accepted (j+1 drafts ran)
+        self.proposed_per_pos = np.zeros(k, dtype=np.int64)
+
+    @staticmethod
+    def eligible(req: Request) -> bool:
+        p = req.sampling_params
+        bans = p.stop_token_ids or (req.eos_token_ids and not p.ignore_eos)   # what min_tokens masks
+        return (not req.external_tokens and req.num_output_tokens >= (max(1, p.min_tokens) if bans else 1)
+                and not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+                         or p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids
+                         or p.structured_outputs is not None))
+
+    def _k(self, req: Request) -> int:
+        k = self.config.num_speculative_tokens
+        room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
+        if self.config.adaptive:
+            rid = req.request_id
+            k = int(k * self.rate.get(rid, 1.0) + 0.5)
+            if k == 0:
+                waited = self.paused.get(rid, 0) + 1
+                self.paused[rid] = 0 if waited >= PROBE_EVERY else waited
+                k = int(waited >= PROBE_EVERY)
+        return max(0, min(k, room))
+
+    def step(self, results: dict | None, running: list[Request]) -> None:
+        """Record the verified drafts of the last step, then propose for the next one."""
+        if results:
+            for rid, res in results.items():
+                self._record(rid, res.num_drafts, res.num_accepted)
+        live = {r.request_id for r in running}
+        if len(self.rate) > 2 * len(live) + 64:       # forget requests that left
+            self.rate = {k: v for k, v in self.rate.items() if k in live}
+            self.paused = {k: v for k, v in self.paused.items() if k in live}
+        reqs, ks = [], []
+        for req in running:
+            k = self._k(req) if self.eligible(req) else 0
+            req.spec_token_ids = []
+            if k > 0:
+                reqs.append(req)
+                ks.append(k)
+        if reqs:
+            drafts = self.proposer.propose([r.all_token_ids for r in reqs], np.asarray(ks, dtype=np.int64))
+            for req, d in zip(reqs, drafts):
+                req.spec_token_ids = d
+
+    def _record(self, rid: str, nd: int, acc: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += nd
+        self.num_accepted_tokens += acc
+        self.proposed_per_pos[:nd] += 1
+        self.accepted_per_pos[:acc] += 1
+        self.rate[rid] = (1 - EMA) * self.rate.get(rid, 1.0) + EMA * acc / nd
+
+    def stats(self) -> dict:
+        """Counters for kv_cache_stats() and /metrics (vLLM's spec_decode names)."""
+        return {"spec_decode_num_drafts": self.num_drafts,
+                "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_acceptance_rate": self.num_accepted_tokens / max(1, self.num_draft_tokens),
+                "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / max(1, self.num_drafts),
+                "spec_decode_acceptance_per_position": (self.accepted_per_pos
+                                                        / np.maximum(self.proposed_per_pos, 1)).tolist(),
+                "spec_decode_num_accepted_tokens_per_pos": self.accepted_per_pos.tolist()}
