@@ -3,7 +3,8 @@
 Draft tokens are part of a request's `num_tokens_with_spec`, but the scheduler serves them
 last: `schedule_drafts` runs after every running request's decode or prefill chunk and every
 admission took its share of the token budget, and gives each request whose committed tokens
-are all scheduled this step up to its proposed drafts from what is left. Under saturation
+are all scheduled this step (a decode: one token behind) up to its proposed drafts from
+what is left. Under saturation
 nothing is left and speculation shrinks to zero instead of displacing real work. A draft
 never preempts anyone: when the pool has no room for its lookahead slots it is dropped.
 
@@ -35,8 +36,9 @@ def schedule_drafts(sched: Scheduler, out: SchedulerOutput, budget: int) -> int:
             continue
         rid = req.request_id
         num = out.num_scheduled_tokens.get(rid)
-        # Only a request whose step reaches the end of its committed tokens verifies drafts.
-        nd = 0 if (num is None or rid in new or req.num_computed_tokens + num != req.num_tokens) else \
+        # Only a request one token behind (a decode) verifies drafts: not a prefill, and not a
+        # state layer's replay after a rollback (a snapshot then would hold the replayed tokens).
+        nd = 0 if (num != 1 or rid in new or req.num_computed_tokens + 1 != req.num_tokens) else \
             min(len(drafts), budget, sched.max_model_len - req.num_tokens - 1)
         ids = sched.kv.allocate_slots(rid, req.num_tokens + nd, req.num_computed_tokens) if nd > 0 else None
         if ids is None:
