@@ -74,6 +74,11 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.forks = Gauge("zooinfer_num_forks", "Requests forked from another's blocks (n > 1 samples, beams)",
                            labels, registry=r)
+        self.spec_counts = Gauge("zooinfer_spec_decode_tokens", "Speculative decoding: drafts verified, draft "
+                                 "tokens verified, draft tokens accepted (cumulative)", labels + ["kind"], registry=r)
+        self.spec_pos = Gauge("zooinfer_spec_decode_acceptance_per_position",
+                              "Share of drafts reaching position j whose token j was accepted", labels + ["position"],
+                              registry=r)
         self.model = model_name
         self._preemptions_seen = 0
 
@@ -90,6 +95,11 @@ class ServerMetrics:
         self.prefix_hits.labels(m).set(stats["prefix_cache_hits"])
         self.prefix_hit_rate.labels(m).set(stats["prefix_cache_hit_rate"])
         self.forks.labels(m).set(stats["forks"])
+        if "spec_decode_num_drafts" in stats:      # speculative decoding is on
+            for kind in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                self.spec_counts.labels(m, kind).set(stats["spec_decode_" + kind])
+            for j, rate in enumerate(stats["spec_decode_acceptance_per_position"]):
+                self.spec_pos.labels(m, str(j)).set(rate)
         new = stats["num_preemptions"] - self._preemptions_seen
         if new > 0:
             self.preemptions.labels(m).inc(new)

@@ -348,3 +348,29 @@ def test_yaml_section_and_explicit_off(tiny_hf, tmp_path):
     f.write_text(yaml.safe_dump(data))
     with pytest.raises(ValueError, match="speculative.num_speculative_tokens"):
         LLM(f)
+
+
+def test_metrics_render_speculation(tiny_hf, oracle):
+    """kv_cache_stats() counters reach /metrics: drafts, draft and accepted tokens, and the
+    acceptance per draft position."""
+    from runtime.metrics import ServerMetrics
+    from tests.serving import metric
+    path, model = tiny_hf("llama")
+    prompts = _prompts(TINY_VOCAB)[:3]
+    ref = hf_greedy(model, prompts, NEW)
+    oracle([p + r for p, r in zip(prompts, ref)])
+    llm = LLM(path, speculative=SPEC)
+    assert _run(llm, prompts) == ref
+    stats = llm.kv_cache_stats()
+    m = ServerMetrics("x")
+    m.update_engine_state(stats)
+    text = m.render().decode()
+    assert metric(text, 'zooinfer_spec_decode_tokens{kind="num_accepted_tokens",model_name="x"}') == \
+        stats["spec_decode_num_accepted_tokens"] > 0
+    assert metric(text, 'zooinfer_spec_decode_tokens{kind="num_draft_tokens",model_name="x"}') == \
+        stats["spec_decode_num_draft_tokens"]
+    per_pos = stats["spec_decode_acceptance_per_position"]
+    # the oracle's cycle: position j survives the drafts whose wrong token is past j
+    assert per_pos[0] > per_pos[K - 1] > 0
+    assert metric(text, 'zooinfer_spec_decode_acceptance_per_position{model_name="x",position="0"}') == \
+        pytest.approx(per_pos[0])
