@@ -374,3 +374,32 @@ def test_metrics_render_speculation(tiny_hf, oracle):
     assert per_pos[0] > per_pos[K - 1] > 0
     assert metric(text, 'zooinfer_spec_decode_acceptance_per_position{model_name="x",position="0"}') == \
         pytest.approx(per_pos[0])
+
+
+def test_stop_string_mid_draft_run_cuts_as_without_speculation(tiny_hf, oracle):
+    """A stop string completed by an accepted draft ends the request there: the tokens
+    verified after it are dropped (output, logprobs), exactly the plain run's output."""
+    from transformers import AutoTokenizer
+
+    from models.embedded import ensure_embedded
+    tok = AutoTokenizer.from_pretrained(str(ensure_embedded("smollm2-135m")))
+    path, model = tiny_hf("llama")
+    prompts = _prompts(TINY_VOCAB)[3:6]
+    ref = hf_greedy(model, prompts, NEW)
+    oracle([p + r for p, r in zip(prompts, ref)])
+    outs = {}
+    for name, kwargs in (("plain", {}), ("spec", {"speculative": SPEC})):
+        llm = LLM(path, **kwargs)
+        llm.engine.tokenizer = tok      # the tiny model's ids are < 512: any tokenizer spells them
+        texts = [tok.decode(r) for r in ref]
+        stops = [t[len(t) // 2: len(t) // 2 + 3] for t in texts]
+        got = []
+        for p, stop in zip(prompts, stops):
+            o = llm.generate({"prompt_token_ids": p}, SamplingParams(temperature=0, max_tokens=NEW, stop=[stop],
+                                                                     logprobs=0), use_tqdm=False)[0].outputs[0]
+            assert o.finish_reason == "stop" and len(o.logprobs) == len(o.token_ids) < NEW
+            got.append((o.token_ids, o.text, o.stop_reason))
+        outs[name] = got
+        _all_free(llm)
+    assert outs["spec"] == outs["plain"]
+    assert llm.kv_cache_stats()["spec_decode_num_accepted_tokens"] > 0
