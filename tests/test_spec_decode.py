@@ -403,3 +403,57 @@ def test_stop_string_mid_draft_run_cuts_as_without_speculation(tiny_hf, oracle):
         _all_free(llm)
     assert outs["spec"] == outs["plain"]
     assert llm.kv_cache_stats()["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_drafts_take_only_leftover_budget(tiny_hf, oracle):
+    """A step schedules drafts only once every running request's committed tokens and every
+    admissible waiting request are served; under a tight budget speculation shrinks to zero."""
+    path, model = tiny_hf("llama")
+    prompts = _prompts(TINY_VOCAB)
+    ref = hf_greedy(model, prompts, NEW)
+    oracle([p + r for p, r in zip(prompts, ref)])
+    budget = 12
+    llm = LLM(path, speculative=SPEC, max_num_batched_tokens=budget)
+    sched = llm.engine.scheduler
+    steps, schedule = [], sched.schedule
+
+    def recording():
+        owed = {r.request_id: r.num_tokens - r.num_computed_tokens for r in sched.running}
+        proposed = sum(len(r.spec_token_ids) for r in sched.running)
+        out = schedule()
+        drafts = sum(len(d) for d in out.spec_token_ids.values())
+        steps.append((out.total_num_scheduled_tokens, drafts, proposed))
+        if drafts:
+            assert not sched.waiting, "a waiting request could have used the draft budget"
+            for rid, n in owed.items():
+                got = out.num_scheduled_tokens.get(rid, 0) - len(out.spec_token_ids.get(rid, ()))
+                assert got == n, (rid, got, n)
+        return out
+
+    sched.schedule = recording
+    assert _run(llm, prompts) == ref
+    assert all(total <= budget for total, _, _ in steps)
+    assert any(d for _, d, _ in steps), "drafts ran once the budget allowed"
+    assert any(p and not d and total == budget for total, d, p in steps), "saturated steps drop drafts"
+    _all_free(llm)
+
+
+def test_adaptive_k_follows_acceptance():
+    from runtime.request import Request
+    from runtime.spec_decode.decoder import PROBE_EVERY, SpecDecoder
+    dec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1000, proposer=Echo())
+    req = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=500), (), 500)
+    req.append_output_token(4)
+    assert dec._k(req) == 4
+    ks = []
+    for _ in range(6):          # nothing accepted: k shrinks to a pause
+        dec._record("a", 4, 0)
+        ks.append(dec._k(req))
+    assert ks[0] == 3 and ks == sorted(ks, reverse=True) and ks[-1] == 0
+    probes = [dec._k(req) for _ in range(2 * PROBE_EVERY)]
+    assert sum(probes) == 2 and max(probes) == 1          # one single-draft probe per PROBE_EVERY steps
+    for _ in range(8):          # everything accepted again: back to full k
+        dec._record("a", 1, 1)
+    assert dec._k(req) == 4
+    req.max_tokens = req.num_output_tokens + 2            # room for one draft and its bonus token
+    assert dec._k(req) == 1
