@@ -1,7 +1,7 @@
 """Speculative decoding on the real SmolLM2-135M: speculation off vs ngram, same invocation.
 
     python -m bench.spec_decode [--rounds 2] [--new-tokens 96] [--batches 1,32] [--k 4]
-        [--workloads copy,free] [--threads 1]
+        [--workloads copy,free] [--threads 1] [--disable-by-batch-size N]
 
 Workloads (chat-templated text prompts, greedy, EOS ignored so every request makes exactly
 `--new-tokens` tokens):
@@ -98,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", default="copy,free")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--disable-by-batch-size", type=int, default=None)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from models.embedded import ensure_embedded
     from runtime import LLM
     ensure_embedded("smollm2-135m")
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
+            "disable_by_batch_size": args.disable_by_batch_size}
     common = dict(max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
     engines = {"off": LLM("zoo/smollm2-135m.yaml", **common),
                "ngram": LLM("zoo/smollm2-135m.yaml", speculative=spec, **common)}

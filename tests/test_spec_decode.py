@@ -322,6 +322,7 @@ def test_ngram_proposer_batch():
     ({"num_speculative_tokens": 0}, "speculative.num_speculative_tokens: must be a positive integer"),
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "speculative.prompt_lookup_min: 5 exceeds"),
     ({"k": 3}, "speculative.k: unknown field"),
+    ({"disable_by_batch_size": 0}, "speculative.disable_by_batch_size: must be a positive integer"),
     ({"method": "mtp"}, "'mtp'"),
     ({"method": "draft", "model": "zoo/smollm2-135m.yaml"}, "'draft'"),
     ("{not json", "speculative: not valid JSON"),
@@ -457,3 +458,8 @@ def test_adaptive_k_follows_acceptance():
     assert dec._k(req) == 4
     req.max_tokens = req.num_output_tokens + 2            # room for one draft and its bonus token
     assert dec._k(req) == 1
+    dec.step(None, [req])
+    assert req.spec_token_ids == [4]
+    crowded = SpecDecoder(SpeculativeConfig(disable_by_batch_size=1), max_model_len=1000, proposer=Echo())
+    crowded.step(None, [req])
+    assert req.spec_token_ids == []

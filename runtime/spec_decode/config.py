@@ -22,6 +22,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4            # ngram: longest suffix matched (tried first)
     model: str | None = None              # draft: the draft model's zoo spec / checkpoint
     adaptive: bool = True                 # per-request k follows its measured acceptance
+    # No drafts while this many requests or more run (vLLM's name): a large batch's forward is
+    # compute-bound, and verifying k+1 positions per request then costs about k+1 steps.
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def parse(cls, value, where: str = "speculative") -> SpeculativeConfig | None:
@@ -55,6 +58,11 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"{where}.prompt_lookup_min: {self.prompt_lookup_min} exceeds "
                              f"prompt_lookup_max {self.prompt_lookup_max}")
+        if self.disable_by_batch_size is not None and (
+                not isinstance(self.disable_by_batch_size, int) or isinstance(self.disable_by_batch_size, bool)
+                or self.disable_by_batch_size < 1):
+            raise ValueError(f"{where}.disable_by_batch_size: must be a positive integer or null, "
+                             f"got {self.disable_by_batch_size!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"{where}.adaptive: must be true or false, got {self.adaptive!r}")
         if self.method == "draft":

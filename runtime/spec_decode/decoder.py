@@ -13,7 +13,8 @@ its drafts can be verified exactly as its tokens would be sampled one at a time:
 Per-request k adapts to the request's measured acceptance (an exponential moving average
 of accepted / proposed): k * rate drafts, rounded; a request whose rate falls so low that
 this rounds to zero pauses and probes with one draft every `PROBE_EVERY` steps, so a
-request that stops copying stops paying for verification.
+request that stops copying stops paying for verification. With `disable_by_batch_size`, no
+request speculates while that many run.
 """
 from __future__ import annotations
 
@@ -72,8 +73,9 @@ class SpecDecoder:
             self.rate = {k: v for k, v in self.rate.items() if k in live}
             self.paused = {k: v for k, v in self.paused.items() if k in live}
         reqs, ks = [], []
+        off = self.config.disable_by_batch_size is not None and len(running) >= self.config.disable_by_batch_size
         for req in running:
-            k = self._k(req) if self.eligible(req) else 0
+            k = self._k(req) if not off and self.eligible(req) else 0
             req.spec_token_ids = []
             if k > 0:
                 reqs.append(req)
