@@ -301,7 +301,9 @@ class Engine:
             return []
         if self._structured is not None and self._structured.matchers:
             so.grammar_bitmask = self._structured.bitmask(self._sampling_now(so))
+        started = time.perf_counter()
         result = self.runner.execute(so)
+        elapsed = time.perf_counter() - started
         updated = self.scheduler.update(so, result.sampled, result.logprobs, result.spec)
         outputs = []
         for req in updated:
@@ -312,7 +314,7 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         if self.spec_decoder is not None:     # record this step's acceptance, propose the next drafts
-            self.spec_decoder.step(result.spec, self.scheduler.running)
+            self.spec_decoder.step(result.spec, self.scheduler.running, so.total_num_scheduled_tokens, elapsed)
         return outputs
 
     def _sampling_now(self, so) -> list[str]:

@@ -463,3 +463,23 @@ def test_adaptive_k_follows_acceptance():
     crowded = SpecDecoder(SpeculativeConfig(disable_by_batch_size=1), max_model_len=1000, proposer=Echo())
     crowded.step(None, [req])
     assert req.spec_token_ids == []
+
+
+def test_step_cost_caps_k_where_drafts_do_not_pay():
+    """Steps costing 1 + 0.1 * tokens seconds: a draft needs acceptance > 0.1 / 1.1 at one
+    decode, > 3.2 / 4.2 at 32; k follows (draft j is accepted with probability ~ rate^j)."""
+    from runtime.request import Request
+    from runtime.spec_decode.decoder import SpecDecoder, StepCost
+    cost = StepCost()
+    assert cost.threshold(32) == 0.0                        # no fit yet: no cap
+    for n in [1, 32, 160, 5, 64, 2048, 17, 300, 1, 40]:
+        cost.observe(n, 1 + 0.1 * n)
+    assert cost.threshold(1) == pytest.approx(0.1 / 1.1)
+    assert cost.threshold(32) == pytest.approx(3.2 / 4.2)
+    dec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1000, proposer=Echo())
+    req = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=500), (), 500)
+    req.append_output_token(4)
+    dec.rate["a"] = 0.8                  # 0.8, 0.64, 0.51, 0.41 for drafts 1..4
+    assert dec._k(req, cost.threshold(1)) == 3        # k * rate rounds to 3
+    assert dec._k(req, cost.threshold(32)) == 1       # only 0.8 > 0.76
+    assert dec._k(req, 0.9) == 0                      # none pays: paused

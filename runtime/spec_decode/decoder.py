@@ -13,8 +13,10 @@ its drafts can be verified exactly as its tokens would be sampled one at a time:
 Per-request k adapts to the request's measured acceptance (an exponential moving average
 of accepted / proposed): k * rate drafts, rounded; a request whose rate falls so low that
 this rounds to zero pauses and probes with one draft every `PROBE_EVERY` steps, so a
-request that stops copying stops paying for verification. With `disable_by_batch_size`, no
-request speculates while that many run.
+request that stops copying stops paying for verification. k is also capped by what a draft
+is worth at the current batch size (`StepCost`): on a compute-bound step only drafts likely
+to be accepted pay for their verification. With `disable_by_batch_size`, no request
+speculates while that many run.
 """
 from __future__ import annotations
 
@@ -28,11 +30,48 @@ EMA = 0.3            # weight of the latest step in a request's acceptance rate
 PROBE_EVERY = 8      # a paused request proposes one draft this often (steps)
 
 
+class StepCost:
+    """An online fit of a step's seconds as alpha + beta * tokens (least squares over past
+    steps, older ones decayed), from which a draft's worth follows: a step of B decodes makes
+    B tokens in alpha + beta * B seconds, and a draft costs beta more; a draft accepted with
+    probability P pays when P / beta > B / (alpha + beta * B), i.e. P > threshold(B). Where the
+    forward streams weights (small batches) beta is small and every likely draft pays; where
+    it is compute-bound (large batches on a CPU) only drafts that are nearly sure to be
+    accepted do."""
+
+    DECAY = 0.97
+    MIN_STEPS = 8
+
+    def __init__(self):
+        self.w = self.n = self.nn = self.t = self.nt = 0.0
+        self.steps = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self.DECAY
+        self.w, self.n, self.nn = d * self.w + 1, d * self.n + num_tokens, d * self.nn + num_tokens ** 2
+        self.t, self.nt = d * self.t + seconds, d * self.nt + num_tokens * seconds
+        self.steps += 1
+
+    def threshold(self, num_decodes: int) -> float:
+        """The acceptance probability a draft needs to pay in a step of `num_decodes`
+        decodes (0 until enough steps of different sizes were seen)."""
+        if self.steps < self.MIN_STEPS:
+            return 0.0
+        mean_n, mean_t = self.n / self.w, self.t / self.w
+        var = self.nn / self.w - mean_n ** 2
+        if var <= 1e-9:
+            return 0.0
+        beta = max(0.0, (self.nt / self.w - mean_n * mean_t) / var)
+        alpha = max(mean_t - beta * mean_n, 1e-9)
+        return beta * num_decodes / (alpha + beta * num_decodes)
+
+
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer: Proposer | None = None):
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = proposer or make_proposer(config)
+        self.cost = StepCost()
         self.rate: dict[str, float] = {}          # request id -> acceptance rate (EMA)
         self.paused: dict[str, int] = {}          # request id -> steps since its last probe
         k = config.num_speculative_tokens
@@ -51,20 +90,26 @@ class SpecDecoder:
                          or p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids
                          or p.structured_outputs is not None))
 
-    def _k(self, req: Request) -> int:
+    def _k(self, req: Request, threshold: float = 0.0) -> int:
         k = self.config.num_speculative_tokens
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         if self.config.adaptive:
             rid = req.request_id
-            k = int(k * self.rate.get(rid, 1.0) + 0.5)
+            rate = self.rate.get(rid, 1.0)
+            k = int(k * rate + 0.5)
+            if threshold > 0:    # draft j is accepted with probability ~ rate^j: keep those that pay
+                k = min(k, int(np.log(threshold) / np.log(rate)) if 0 < rate < 1 else (k if rate >= 1 else 0))
             if k == 0:
                 waited = self.paused.get(rid, 0) + 1
                 self.paused[rid] = 0 if waited >= PROBE_EVERY else waited
                 k = int(waited >= PROBE_EVERY)
         return max(0, min(k, room))
 
-    def step(self, results: dict | None, running: list[Request]) -> None:
-        """Record the verified drafts of the last step, then propose for the next one."""
+    def step(self, results: dict | None, running: list[Request], num_tokens: int = 0, seconds: float = 0.0) -> None:
+        """Record the last step (its verified drafts; its size and time, for the cost fit),
+        then propose for the next one."""
+        if num_tokens:
+            self.cost.observe(num_tokens, seconds)
         if results:
             for rid, res in results.items():
                 self._record(rid, res.num_drafts, res.num_accepted)
@@ -74,8 +119,9 @@ class SpecDecoder:
             self.paused = {k: v for k, v in self.paused.items() if k in live}
         reqs, ks = [], []
         off = self.config.disable_by_batch_size is not None and len(running) >= self.config.disable_by_batch_size
+        threshold = self.cost.threshold(len(running)) if self.config.adaptive else 0.0
         for req in running:
-            k = self._k(req) if not off and self.eligible(req) else 0
+            k = self._k(req, threshold) if not off and self.eligible(req) else 0
             req.spec_token_ids = []
             if k > 0:
                 reqs.append(req)
