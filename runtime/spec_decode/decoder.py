@@ -12,7 +12,8 @@ its drafts can be verified exactly as its tokens would be sampled one at a time:
 
 Per-request k adapts to the request's measured acceptance (an exponential moving average
 of accepted / proposed): k * rate drafts, rounded; a request whose rate falls so low that
-this rounds to zero pauses and probes with one draft every `PROBE_EVERY` steps, so a
+this rounds to zero pauses and probes with one draft every `PROBE_EVERY` steps (only where
+drafts are cheap: at a compute-bound batch the probes alone would cost), so a
 request that stops copying stops paying for verification. k is also capped by what a draft
 is worth at the current batch size (`StepCost`): on a compute-bound step only drafts likely
 to be accepted pay for their verification. With `disable_by_batch_size`, no request
@@ -27,7 +28,8 @@ from runtime.spec_decode.config import SpeculativeConfig
 from runtime.spec_decode.proposer import Proposer, make_proposer
 
 EMA = 0.3            # weight of the latest step in a request's acceptance rate
-PROBE_EVERY = 8      # a paused request proposes one draft this often (steps)
+PROBE_EVERY = 8      # a paused request proposes one draft this often (steps) ...
+PROBE_BELOW = 0.5    # ... while a draft is cheap (StepCost threshold below this)
 
 
 class StepCost:
@@ -99,7 +101,7 @@ class SpecDecoder:
             k = int(k * rate + 0.5)
             if threshold > 0:    # draft j is accepted with probability ~ rate^j: keep those that pay
                 k = min(k, int(np.log(threshold) / np.log(rate)) if 0 < rate < 1 else (k if rate >= 1 else 0))
-            if k == 0:
+            if k == 0 and threshold < PROBE_BELOW:
                 waited = self.paused.get(rid, 0) + 1
                 self.paused[rid] = 0 if waited >= PROBE_EVERY else waited
                 k = int(waited >= PROBE_EVERY)
