@@ -483,3 +483,15 @@ def test_step_cost_caps_k_where_drafts_do_not_pay():
     assert dec._k(req, cost.threshold(1)) == 3        # k * rate rounds to 3
     assert dec._k(req, cost.threshold(32)) == 1       # only 0.8 > 0.76
     assert all(dec._k(req, 0.9) == 0 for _ in range(20))   # none pays: paused, and no probes either
+
+
+def test_server_flag_errors_in_one_line(tiny_hf, capsys):
+    """`--speculative-config` reaches the engine: a bad value stops start-up with one line
+    naming the field, before any weights load."""
+    from runtime.serve import main
+    path, _ = tiny_hf("llama")
+    capsys.readouterr()      # the fixture's save_pretrained progress bar
+    assert main([str(path), "--port", "0", "--speculative-config", '{"method": "ngram", "k": 2}']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: speculative.k: unknown field; known: adaptive, disable_by_batch_size, method, model, "
+                   "num_speculative_tokens, prompt_lookup_max, prompt_lookup_min"]
