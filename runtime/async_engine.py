@@ -76,6 +76,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()     # between steps now: KV tiers persist what the pool caches
 
     @property
     def healthy(self) -> bool:

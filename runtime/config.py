@@ -27,6 +27,15 @@ class EngineConfig:
     # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...} (runtime/spec_decode);
     # None: the spec's `speculative:` section, if any. {"method": None} turns that off.
     speculative: dict | str | None = None
+    # KV tiers below the pool (cache/tiers/, runtime/kv_tiers.py); all off by default.
+    kv_host_tier_bytes: int = 0             # host RAM tier (0: none); also holds swapped-out requests
+    kv_disk_tier_dir: str | None = None     # local disk tier: survives restarts, shared by processes
+    kv_disk_tier_bytes: int = 16 << 30
+    kv_remote_tier_url: str | None = None   # redis://host:port shared by several engines
+    kv_tier_write_through: bool = False     # also store each new block in the disk / remote tiers at once
+    kv_tier_salt: str = ""                  # part of the tiers' fingerprint: keeps deployments apart
+    preemption_mode: str = "auto"           # recompute | swap | auto: swap from swap_min_tokens computed
+    swap_min_tokens: int = 256
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):

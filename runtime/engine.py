@@ -20,12 +20,14 @@ import torch
 
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
+from kernels import cpu_features
 from models import build_model, load_weights, resolve_spec
 from models.prepack import prepack_linears
 from models.builder import DTYPES
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
 from runtime.worker.model_runner import ModelRunner
@@ -83,6 +85,8 @@ class Engine:
             if packed:
                 phase("prepack")
                 log.info("packed %d linear weights in %.2f s", packed, self.startup_seconds["prepack"])
+        if config.device == "cpu":
+            cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         eos = list(spec.eos_token_ids)
@@ -105,6 +109,7 @@ class Engine:
                                   kv_dtype=dtype, compile=config.compile,
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
+        self.tiers = attach_tiers(self, config, kv_config)    # None unless a KV tier is configured
         phase("KV cache")
         if config.compile:
             self.runner.warm_up()
@@ -413,6 +418,10 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
                              num_cached_tokens=req.num_cached_tokens)
 
+    def close(self) -> None:
+        """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py)."""
+        close_tiers(self)
+
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""
         return requests_that_fit(self.kv_manager.config, num_tokens, self.config.max_num_batched_tokens)
@@ -424,4 +433,7 @@ class Engine:
         stats["num_waiting"] = len(self.scheduler.waiting)
         if self.spec_decoder is not None:
             stats.update(self.spec_decoder.stats())
+        if self.tiers is not None:
+            stats["kv_tiers"] = self.tiers.stats()
+            stats["num_waiting"] += stats["kv_tiers"]["num_waiting_for_kv"]
         return stats

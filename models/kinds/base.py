@@ -49,6 +49,8 @@ class LayerKind:
     local_rope: bool = False        # takes `rope_local` when the spec has one (Gemma 3's sliding layers)
     derived_tensors: tuple[str, ...] = ()   # checkpoint tensor name suffixes it recomputes (decay
                                     # tables HF saves as buffers): the loader skips them
+    num_caches: int = 1             # caches one mixer owns (consecutive cache ids); above 1 its
+                                    # `cache_spec` returns that many specs and `forward` gets a list
 
 
 def linear_sources(ours: str, hf: str, parts: list[tuple[str, int, int]], bias: bool) -> Sources:

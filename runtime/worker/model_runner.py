@@ -19,6 +19,7 @@ import torch
 
 from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
+from cache.tiers.transfer import run_transfers
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
 from runtime.worker.logits_processors import LogitsEdits
@@ -183,6 +184,8 @@ class ModelRunner:
     # ------------------------------------------------------------- one step
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        if so.kv_transfers is not None:          # KV tiers: evicted pages out, tier hits / swap-ins in
+            run_transfers(so.kv_transfers, self._copy_spans, self.device)
         self._update_batch(so)
         b = self.batch
         rows = np.fromiter((b.req_id_to_row[r] for r in so.num_scheduled_tokens), dtype=np.int64,
