@@ -30,6 +30,7 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
+from runtime.worker import prompt_logprobs
 from runtime.worker.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.parallel_sampling import fan_out
@@ -309,8 +310,9 @@ class Engine:
         started = time.perf_counter()
         result = self.runner.execute(so)
         elapsed = time.perf_counter() - started
+        outputs = [out for out in map(self._record_prompt_logprobs, (result.prompt_logprobs or {}).items())
+                   if out is not None]
         updated = self.scheduler.update(so, result.sampled, result.logprobs, result.spec)
-        outputs = []
         for req in updated:
             try:
                 out = self._process(req)
@@ -387,6 +389,22 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
                              error=f"{type(error).__name__}: {error}")
 
+    def _record_prompt_logprobs(self, item) -> RequestOutput | None:
+        """Keep a step's prompt-logprob entries on their request (before `update` can finish it);
+        a failure here fails that request alone."""
+        rid, chunk = item
+        req = self.scheduler.requests.get(rid)
+        if req is None or req.prompt_logprobs is None:
+            return None
+        try:
+            prompt_logprobs.record(req.prompt_logprobs, chunk, self._spell_tokens)
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
+            return self._fail(req, e)
+        return None
+
+    def _spell_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None else [None] * len(ids)
+
     def _convert_logprobs(self, req: Request, i: int = -1) -> None:
         """Turn output token i's raw logprob entry into {token_id: Logprob} once, decoding the
         token strings here on the engine thread (the tokenizer is not shared across threads)."""
@@ -416,7 +434,7 @@ class Engine:
         if finished:
             self._detok.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             num_cached_tokens=req.num_cached_tokens)
+                             num_cached_tokens=req.num_cached_tokens, prompt_logprobs=req.prompt_logprobs)
 
     def close(self) -> None:
         """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py)."""

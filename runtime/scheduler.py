@@ -284,7 +284,9 @@ class Scheduler:
                 break
             if swapped:
                 hit = req.num_computed_tokens     # swapped back in from host RAM
-            elif self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit:
+            # A hit would skip the positions whose prompt logprobs were asked for (vLLM skips it too).
+            elif self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit \
+                    and req.sampling_params.prompt_logprobs is None:
                 looked_up = True
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
                 if self.tiers is not None and self.tiers.start_load(req, req.block_hashes):

@@ -20,8 +20,7 @@ import yaml
 from models.import_hf import spec_from_hf_dir
 from models.spec import SpecError, spec_from_dict, spec_to_dict
 from runtime import LLM
-from tests import test_compile, zoo_parity
-from tests.test_compile import inductor_cache  # noqa: F401  (the compile test's private inductor cache)
+from tests import zoo_parity
 from tests.conftest import TINY_VOCAB
 
 WINDOW = 8
@@ -173,15 +172,6 @@ def test_compressed_import_and_cache_layout(compressed):
     rows = [s for s in specs.values() if type(s).__name__ == "SlidingRowsSpec" and s.compress_rate]
     assert sorted(s.sliding_window for s in rows) == sorted(
         2 * c.compress_rates[CSA] if t == CSA else c.compress_rates[HCA] for t in layout["layer_types"] if t in (CSA, HCA))
-
-
-@pytest.mark.slow     # a cold compile of this model: ~4 min on 2 shared cores (the default-run
-def test_compressed_compiles_once(compressed, inductor_cache):   # entry belongs in test_compile's list)
-    """torch.compile of the CSA / HCA model (the harness of tests/test_compile.py): one graph
-    at warm-up, no graph break, nothing recompiled as batches change, eager's tokens."""
-    if compressed.variant != "csa4_hca8":
-        pytest.skip("one compressed layout is enough for the compile check")
-    test_compile.test_compiled_equals_eager_one_graph_no_recompiles(str(compressed.path), inductor_cache)
 
 
 def test_compressed_entries_change_the_output(compressed):

@@ -131,7 +131,7 @@ class SpecVerifier:
                 spec[rid] = SpecResult(emitted[i, : acc_l[i] + 1].tolist(), lp, comp_l[i], nd_l[i], acc_l[i])
             elif lp is not None:
                 logprobs[rid] = lp[0]
-        return ModelRunnerOutput(sampled, logprobs if meta.max_logprobs is not None else None, spec)
+        return ModelRunnerOutput(sampled, logprobs if meta.max_logprobs is not None else None, spec=spec)
 
     @staticmethod
     def _trim_tables(runner, rows: np.ndarray) -> None:

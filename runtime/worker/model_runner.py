@@ -23,6 +23,8 @@ from cache.tiers.transfer import run_transfers
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
 from runtime.worker.logits_processors import LogitsEdits
+from runtime.worker import prompt_logprobs
+from runtime.worker.prompt_logprobs import PromptLogprobsChunk
 from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
 from runtime.spec_decode.verifier import SpecVerifier
@@ -33,6 +35,7 @@ from runtime.worker.step_plan import StepBatch, plan_layers
 class ModelRunnerOutput:
     sampled: dict[str, int]            # req id -> new token (only rows that completed)
     logprobs: dict[str, dict] | None   # req id -> {"token": (logprob, rank), "top": {id: logprob}}
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None   # req id -> this step's prompt entries
     spec: dict | None = None           # req id -> SpecResult, for requests that verified drafts
 
 
@@ -236,11 +239,16 @@ class ModelRunner:
                 self.forward(ids_t, pos_t, self.kv_caches)
         self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
+        prompt_lps = None
+        if (b.prompt_logprobs[rows] >= 0).any():    # from this forward's hidden states, no second pass
+            prompt_lps = prompt_logprobs.compute(hidden, self.model.compute_logits, b, rows, req_rows, positions)
         if so.spec_token_ids:
-            return self.spec_verifier.sample(self, so, hidden, rows, cu, done, seq_lens - num_sched, saved)
+            out = self.spec_verifier.sample(self, so, hidden, rows, cu, done, seq_lens - num_sched, saved)
+            out.prompt_logprobs = prompt_lps
+            return out
         sample_rows = rows[done]
         if not len(sample_rows):
-            return ModelRunnerOutput({}, None)
+            return ModelRunnerOutput({}, None, prompt_lps)
         meta = self._sampling_metadata(sample_rows, so.grammar_bitmask)
         hidden = hidden[logits_index]
         if meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
@@ -258,7 +266,7 @@ class ModelRunner:
         b.num_tokens[rows_own] = n + 1
         req_ids = [b.req_ids[r] for r in sample_rows.tolist()]
         sampled = dict(zip(req_ids, tokens.tolist()))
-        return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))
+        return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows), prompt_lps)
 
     def _sampling_metadata(self, rows: np.ndarray, grammar_bitmask=None) -> SamplingMetadata:
         b = self.batch
