@@ -139,11 +139,13 @@ class CausalLM(nn.Module):
         return src
 
 
-def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """Instantiate the module tree on `device` in the spec's dtype (weights uninitialised)."""
+def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                cls: type[CausalLM] = CausalLM) -> CausalLM:
+    """Instantiate the module tree on `device` in the spec's dtype (weights uninitialised);
+    `cls`: a CausalLM subclass (models/parallel.py's tensor-parallel shard)."""
     dtype = dtype or DTYPES[spec.dtype]
     with torch.device("meta"):
-        model = CausalLM(spec)
+        model = cls(spec)
     model = model.to_empty(device=device)
     # Rotary tables are computed in float32 and must survive to_empty(): rebuild them.
     for module in model.modules():

@@ -21,17 +21,18 @@ import torch
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
 from kernels import cpu_features
-from models import build_model, load_weights, resolve_spec
-from models.prepack import prepack_linears
+from models import resolve_spec
 from models.builder import DTYPES
+from models.parallel import shard_spec
+from models.pipeline import stage_layers
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
+from runtime.executor import make_executor
 from runtime.worker import prompt_logprobs
-from runtime.worker.model_runner import ModelRunner
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.parallel_sampling import fan_out
 from runtime.request import Request, RequestStatus
@@ -78,14 +79,14 @@ class Engine:
         torch.manual_seed(config.seed)
         ckpt = checkpoint_dir(spec)
         phase("spec")
-        self.model = build_model(spec, config.device, dtype)
-        load_weights(self.model, spec)
+        if config.tensor_parallel_size > 1:                   # one-line errors before any process starts
+            shard_spec(spec, config.tensor_parallel_size)
+        if config.pipeline_parallel_size > 1:
+            stage_layers(spec, config.pipeline_parallel_size)
+        # The model (rank 0's shard with tensor parallelism), weights loaded and packed.
+        self.executor = make_executor(spec, config, dtype)
+        self.model = self.executor.model
         phase("weights")
-        if config.prepack_weights:   # only CPU float32 linears qualify; a no-op elsewhere
-            packed = prepack_linears(self.model)
-            if packed:
-                phase("prepack")
-                log.info("packed %d linear weights in %.2f s", packed, self.startup_seconds["prepack"])
         if config.device == "cpu":
             cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
@@ -95,25 +96,30 @@ class Engine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = tuple(eos)
         phase("tokenizer")
-        kv_config = make_kv_cache_config(
-            self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
-            num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
-            min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            chunk_tokens=config.max_num_batched_tokens)
+        try:
+            kv_config = make_kv_cache_config(
+                self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
+                num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
+                min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                chunk_tokens=config.max_num_batched_tokens)
+        except ValueError:
+            self.executor.shutdown()        # a pool too small: no worker process outlives the failed start
+            raise
         self.kv_manager = KVCacheManager(kv_config, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.model, kv_config, max_num_reqs=config.max_num_seqs,
+        self.executor.init_runner(kv_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   attention_backend=config.attention_backend, device=config.device,
                                   kv_dtype=dtype, compile=config.compile,
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
+        self.runner = self.executor.runner      # rank 0's runner
         self.tiers = attach_tiers(self, config, kv_config)    # None unless a KV tier is configured
         phase("KV cache")
         if config.compile:
-            self.runner.warm_up()
+            self.executor.warm_up()
             phase("compile")
             log.info("compiled in %.1f s", self.startup_seconds["compile"])
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -131,6 +137,8 @@ class Engine:
         if value is None and spec.speculative is not None:
             value, where = spec.speculative, f"{spec.source_file or spec.name}: speculative"
         cfg = SpeculativeConfig.parse(value, where)
+        if cfg is not None and (self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1):
+            raise ValueError(f"{where}: not supported with tensor_parallel_size or pipeline_parallel_size > 1 yet")
         return None if cfg is None else SpecDecoder(cfg, self.max_model_len)
 
     def warm_up(self, params: SamplingParams) -> None:
@@ -170,6 +178,8 @@ class Engine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         params.validate_for_model(self.spec.vocab_size)
+        if params.prompt_logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise ParamError("prompt_logprobs: not supported with pipeline_parallel_size > 1 yet", "prompt_logprobs")
         text, ids = self.tokenize(prompt)
         if params.bad_words:
             self._tokenize_bad_words(params)
@@ -297,7 +307,7 @@ class Engine:
         so = self.scheduler.schedule()
         if so.is_empty:
             # Only removals (and maybe fork copies) this step: the runner still applies them.
-            self.runner.execute(so)
+            self.executor.execute(so)
             self.scheduler.update(so, {})
             if self.scheduler.waiting and not self.scheduler.running:
                 # Sizing guarantees one max_model_len request fits, so this is a bug, and
@@ -308,7 +318,7 @@ class Engine:
         if self._structured is not None and self._structured.matchers:
             so.grammar_bitmask = self._structured.bitmask(self._sampling_now(so))
         started = time.perf_counter()
-        result = self.runner.execute(so)
+        result = self.executor.execute(so)
         elapsed = time.perf_counter() - started
         outputs = [out for out in map(self._record_prompt_logprobs, (result.prompt_logprobs or {}).items())
                    if out is not None]
@@ -437,8 +447,10 @@ class Engine:
                              num_cached_tokens=req.num_cached_tokens, prompt_logprobs=req.prompt_logprobs)
 
     def close(self) -> None:
-        """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py)."""
+        """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py),
+        and the executor's worker processes (tensor / pipeline parallel) stop."""
         close_tiers(self)
+        self.executor.shutdown()
 
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""

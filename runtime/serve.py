@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the spec's)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (cuda + flashinfer)")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks sharding the model, one process each (gloo on CPU, NCCL on CUDA)")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="pipeline stages of contiguous layers, one process each")
     ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                     help="priority: requests' `priority` field orders admission and preemption (lower first)")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
@@ -160,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                               enable_prefix_caching=not args.no_prefix_caching,
                               prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size,
                               kv_host_tier_bytes=int(args.kv_host_tier_gib * (1 << 30)),
                               kv_disk_tier_dir=args.kv_disk_tier_dir,
                               kv_disk_tier_bytes=int(args.kv_disk_tier_gib * (1 << 30)),
@@ -191,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:          # an unknown tool parser (flag or spec)
         print(f"error: {e}", file=sys.stderr)
         async_engine.shutdown()
+        engine.executor.shutdown()     # parallel workers stop even if the engine thread did not
         sock.close()
         return 2
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
@@ -199,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         server.run(sockets=[sock])
     except KeyboardInterrupt:   # uvicorn re-raises SIGINT after a clean shutdown
         pass
+    finally:
+        async_engine.shutdown()
+        engine.executor.shutdown()     # tensor / pipeline workers stop with the server
     return 0
 
 

@@ -185,8 +185,14 @@ class ModelRunner:
         self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish_step(self.forward_step(so))
+
+    @torch.inference_mode()
+    def forward_step(self, so: SchedulerOutput):
+        """A step up to its final hidden states (batch delta, inputs, forward, page copies);
+        `finish_step` samples. Pipeline stages run several of these before finishing any
+        (runtime/executor/multiproc.py: micro-batches in flight)."""
         if so.kv_transfers is not None:          # KV tiers: evicted pages out, tier hits / swap-ins in
             run_transfers(so.kv_transfers, self._copy_spans, self.device)
         self._update_batch(so)
@@ -242,21 +248,24 @@ class ModelRunner:
         prompt_lps = None
         if (b.prompt_logprobs[rows] >= 0).any():    # from this forward's hidden states, no second pass
             prompt_lps = prompt_logprobs.compute(hidden, self.model.compute_logits, b, rows, req_rows, positions)
-        if so.spec_token_ids:
+        if so.spec_token_ids:     # verified now: finish_step passes the output through
             out = self.spec_verifier.sample(self, so, hidden, rows, cu, done, seq_lens - num_sched, saved)
             out.prompt_logprobs = prompt_lps
             return out
+        return hidden, rows, done, logits_index, so.grammar_bitmask, prompt_lps
+
+    @torch.inference_mode()
+    def finish_step(self, pending) -> ModelRunnerOutput:
+        """The sampled tokens of a `forward_step` (which may have finished the step already)."""
+        if isinstance(pending, ModelRunnerOutput):
+            return pending
+        hidden, rows, done, logits_index, grammar_bitmask, prompt_lps = pending
+        b = self.batch
         sample_rows = rows[done]
         if not len(sample_rows):
             return ModelRunnerOutput({}, None, prompt_lps)
-        meta = self._sampling_metadata(sample_rows, so.grammar_bitmask)
-        hidden = hidden[logits_index]
-        if meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
-                and meta.max_logprobs is None:
-            # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
-            out = SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
-        else:
-            out = self.sampler(self.model.compute_logits(hidden), meta)
+        meta = self._sampling_metadata(sample_rows, grammar_bitmask)
+        out = self._sample(hidden[logits_index], meta)
 
         tokens = out.token_ids.cpu().numpy()
         own = ~b.external[sample_rows]         # external rows get their next token fed later
@@ -267,6 +276,19 @@ class ModelRunner:
         req_ids = [b.req_ids[r] for r in sample_rows.tolist()]
         sampled = dict(zip(req_ids, tokens.tolist()))
         return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows), prompt_lps)
+
+    @staticmethod
+    def _greedy_only(meta: SamplingMetadata) -> bool:
+        """Every row takes its argmax and nothing edits the logits or asks for logprobs."""
+        return meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
+            and meta.max_logprobs is None
+
+    def _sample(self, hidden: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The sampled rows' tokens from their final hidden states."""
+        if self._greedy_only(meta):
+            # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
+            return SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
+        return self.sampler(self.model.compute_logits(hidden), meta)
 
     def _sampling_metadata(self, rows: np.ndarray, grammar_bitmask=None) -> SamplingMetadata:
         b = self.batch
