@@ -110,6 +110,16 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
         """Return blocks no future token of the request can read (none for full attention)."""
 
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Return the trailing blocks past the first `num_tokens` tokens (lookahead blocks
+        of rejected draft tokens); they were never full, so never cached."""
+        blocks = self.req_to_blocks.get(request_id)
+        keep = self.spec.max_blocks_for(num_tokens)
+        if blocks and len(blocks) > keep:
+            tail = blocks[keep:]
+            del blocks[keep:]
+            self.pool.free_blocks(reversed(tail))
+
     def num_live_blocks(self, request_id: str) -> int:
         return sum(not b.is_null for b in self.req_to_blocks.get(request_id, ()))
 
@@ -251,6 +261,9 @@ class StateManager(SingleTypeKVCacheManager):
 
     def num_fork_blocks(self, parent_id: str, num_tokens: int) -> int:
         return self.spec.pages if self.req_to_blocks.get(parent_id) else 0
+
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        pass     # a state's pages do not grow with its tokens
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         """A state is updated in place every step, so it is never shared: the child gets
@@ -441,6 +454,12 @@ class KVCacheManager:
             return None
         return [[b.block_id for b in m.allocate_new_blocks(request_id, num_tokens)]
                 for m in self.managers]
+
+    def free_tail(self, request_id: str, num_tokens: int) -> None:
+        """Speculation's rollback: every group returns the blocks past `num_tokens` tokens
+        (the runner trims its block table rows by the same rule)."""
+        for m in self.managers:
+            m.free_tail(request_id, num_tokens)
 
     def can_fit(self, num_blocks: int) -> bool:
         return num_blocks <= self.pool.get_num_free_blocks()

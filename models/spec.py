@@ -231,6 +231,7 @@ class ModelSpec:
     weight_scales: dict = field(default_factory=dict)
     tokenizer: str | None = None   # directory; defaults to the checkpoint directory
     tool_parser: str | None = None  # how the server finds tool calls in this model's text (e.g. hermes)
+    speculative: dict | None = None  # default speculative decoding (runtime/spec_decode/config.py)
     source_file: str = ""          # set by the loader; never read from YAML
 
     @property

@@ -24,6 +24,9 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
+    # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...} (runtime/spec_decode);
+    # None: the spec's `speculative:` section, if any. {"method": None} turns that off.
+    speculative: dict | str | None = None
     tensor_parallel_size: int = 1           # ranks sharding the model (runtime/executor, models/parallel.py)
     pipeline_parallel_size: int = 1         # stages of contiguous layers, one process each (models/pipeline.py)
     parallel_timeout_s: float = 60.0        # every collective's timeout; a dead rank is an error by then

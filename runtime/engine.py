@@ -38,6 +38,8 @@ from runtime.parallel_sampling import fan_out
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import RequestOutputKind, SamplingParams
 from runtime.scheduler import Scheduler
+from runtime.spec_decode.config import SpeculativeConfig
+from runtime.spec_decode.decoder import SpecDecoder
 
 log = logging.getLogger("zooinfer")
 
@@ -69,6 +71,7 @@ class Engine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {spec.max_model_len}")
             spec.max_model_len = config.max_model_len
         self.max_model_len = spec.max_model_len
+        self.spec_decoder = self._speculative(config.speculative, spec)   # validated before any weights load
         dtype_name = config.dtype or spec.dtype
         if dtype_name not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
@@ -127,6 +130,18 @@ class Engine:
         self._next_id = itertools.count()
         log.info("engine ready: %s, KV %d blocks x %d tokens (%d tokens)", spec.name,
                  kv_config.num_blocks - 1, config.block_size, (kv_config.num_blocks - 1) * config.block_size)
+
+    def _speculative(self, value, spec) -> SpecDecoder | None:
+        """The engine's speculative decoder: from the config, else the spec's section."""
+        if isinstance(value, dict) and value.get("method", "ngram") is None:
+            return None                      # explicitly off, whatever the spec says
+        where = "speculative"
+        if value is None and spec.speculative is not None:
+            value, where = spec.speculative, f"{spec.source_file or spec.name}: speculative"
+        cfg = SpeculativeConfig.parse(value, where)
+        if cfg is not None and (self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1):
+            raise ValueError(f"{where}: not supported with tensor_parallel_size or pipeline_parallel_size > 1 yet")
+        return None if cfg is None else SpecDecoder(cfg, self.max_model_len)
 
     def warm_up(self, params: SamplingParams) -> None:
         """Run one short request end to end (compiles the forward when compile is on)."""
@@ -304,10 +319,12 @@ class Engine:
             return []
         if self._structured is not None and self._structured.matchers:
             so.grammar_bitmask = self._structured.bitmask(self._sampling_now(so))
+        started = time.perf_counter()
         result = self.executor.execute(so)
+        elapsed = time.perf_counter() - started
         outputs = [out for out in map(self._record_prompt_logprobs, (result.prompt_logprobs or {}).items())
                    if out is not None]
-        updated = self.scheduler.update(so, result.sampled, result.logprobs)
+        updated = self.scheduler.update(so, result.sampled, result.logprobs, result.spec)
         for req in updated:
             try:
                 out = self._process(req)
@@ -315,6 +332,8 @@ class Engine:
                 out = self._fail(req, e)
             if out is not None:
                 outputs.append(out)
+        if self.spec_decoder is not None:     # record this step's acceptance, propose the next drafts
+            self.spec_decoder.step(result.spec, self.scheduler.running, so.total_num_scheduled_tokens, elapsed)
         return outputs
 
     def _sampling_now(self, so) -> list[str]:
@@ -325,27 +344,50 @@ class Engine:
 
     def _process(self, req: Request) -> RequestOutput | None:
         """One request's share of a step after sampling: its grammar, logprobs,
-        detokenization, stop strings, its output. Nothing here touches another request."""
-        if self._structured is not None and req.request_id in self._structured.matchers:
-            done = self._structured.accept(req.request_id, req.output_token_ids[-1])
-            if done and not req.status.finished:     # the grammar is complete: so is the request
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = req.output_token_ids[-1]
-            if req.status.finished:
-                self._structured.remove(req.request_id)
-        if req.logprobs is not None:
-            self._convert_logprobs(req)
-        detok = self._detok.get(req.request_id)
-        if detok is not None and not req.status.finished:
-            stop = detok.update(req.output_token_ids[-1])
-            if stop is not None:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-                req.stop_reason = stop
-        elif detok is not None:
-            detok.update(req.output_token_ids[-1])
+        detokenization, stop strings, its output. Nothing here touches another request.
+        A speculative step may have added several tokens: each is taken in turn, and a stop
+        string drops the tokens after the one that completed it, as if they never came."""
+        first = req.num_output_tokens - max(req.num_new_tokens, 1)
+        for i in range(first, req.num_output_tokens):
+            if self._process_token(req, i, i + 1 == req.num_output_tokens) and i + 1 < req.num_output_tokens:
+                del req.output_token_ids[i + 1:]
+                del req.all_token_ids[req.num_prompt_tokens + i + 1:]
+                if req.logprobs is not None:
+                    del req.logprobs[i + 1:]
+                break
         if req.status.finished or req.sampling_params.output_kind == RequestOutputKind.CUMULATIVE:
             return self._make_output(req)
         return None
+
+    def _process_token(self, req: Request, i: int, last: bool = True) -> bool:
+        """Output token i's grammar step, logprobs and detokenization; True if it ended the
+        request by a stop string or a complete grammar. A token before the step's last one
+        is checked for stop strings even when the last one finished the request (max_tokens,
+        EOS): the earlier stop wins, as it would have one token at a time."""
+        token = req.output_token_ids[i]
+        stopped = False
+        if self._structured is not None and req.request_id in self._structured.matchers:
+            done = self._structured.accept(req.request_id, token)
+            if done and not req.status.finished:     # the grammar is complete: so is the request
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = token
+                stopped = True
+            if req.status.finished:
+                self._structured.remove(req.request_id)
+        if req.logprobs is not None:
+            self._convert_logprobs(req, i)
+        detok = self._detok.get(req.request_id)
+        if detok is not None and (not req.status.finished or not last):
+            stop = detok.update(token)
+            if stop is not None:
+                if req.status.finished:     # by a later token of this step: freed already
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, None
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                req.stop_reason = stop
+                stopped = True
+        elif detok is not None:
+            detok.update(token)
+        return stopped
 
     def _fail(self, req: Request, error: Exception) -> RequestOutput:
         """Finish one request whose own processing raised: its blocks are freed and its
@@ -375,16 +417,16 @@ class Engine:
     def _spell_tokens(self, ids: list[int]) -> list[str | None]:
         return [self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None else [None] * len(ids)
 
-    def _convert_logprobs(self, req: Request) -> None:
-        """Turn the step's raw logprob entry into {token_id: Logprob} once, decoding the
+    def _convert_logprobs(self, req: Request, i: int = -1) -> None:
+        """Turn output token i's raw logprob entry into {token_id: Logprob} once, decoding the
         token strings here on the engine thread (the tokenizer is not shared across threads)."""
-        entry = req.logprobs[-1]
+        entry = req.logprobs[i]
         ids = list(entry["top"]) + [entry["token_id"]]
         words = ([self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None
                  else [None] * len(ids))
         d = {tid: Logprob(lp, None, w) for (tid, lp), w in zip(entry["top"].items(), words)}
         d[entry["token_id"]] = Logprob(entry["logprob"], entry["rank"], words[-1])
-        req.logprobs[-1] = d
+        req.logprobs[i] = d
         req.cumulative_logprob += entry["logprob"]
 
     def _make_output(self, req: Request) -> RequestOutput:
@@ -421,6 +463,8 @@ class Engine:
         stats["num_preemptions"] = self.scheduler.num_preemptions
         stats["num_running"] = len(self.scheduler.running)
         stats["num_waiting"] = len(self.scheduler.waiting)
+        if self.spec_decoder is not None:
+            stats.update(self.spec_decoder.stats())
         if self.tiers is not None:
             stats["kv_tiers"] = self.tiers.stats()
             stats["num_waiting"] += stats["kv_tiers"]["num_waiting_for_kv"]

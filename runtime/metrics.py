@@ -74,6 +74,11 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.forks = Gauge("zooinfer_num_forks", "Requests forked from another's blocks (n > 1 samples, beams)",
                            labels, registry=r)
+        self.spec_counts = Gauge("zooinfer_spec_decode_tokens", "Speculative decoding: drafts verified, draft "
+                                 "tokens verified, draft tokens accepted (cumulative)", labels + ["kind"], registry=r)
+        self.spec_pos = Gauge("zooinfer_spec_decode_acceptance_per_position",
+                              "Share of drafts reaching position j whose token j was accepted", labels + ["position"],
+                              registry=r)
         # KV tiers (cache/tiers/): cumulative per-tier counters, set from the engine's stats.
         tier = labels + ["tier"]
         self.tier_hits = Gauge("zooinfer_kv_tier_hits", "KV tier entries loaded (hits)", tier, registry=r)
@@ -104,6 +109,11 @@ class ServerMetrics:
         self.prefix_hits.labels(m).set(stats["prefix_cache_hits"])
         self.prefix_hit_rate.labels(m).set(stats["prefix_cache_hit_rate"])
         self.forks.labels(m).set(stats["forks"])
+        if "spec_decode_num_drafts" in stats:      # speculative decoding is on
+            for kind in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                self.spec_counts.labels(m, kind).set(stats["spec_decode_" + kind])
+            for j, rate in enumerate(stats["spec_decode_acceptance_per_position"]):
+                self.spec_pos.labels(m, str(j)).set(rate)
         tiers = stats.get("kv_tiers")
         if tiers is not None:
             for name, t in tiers["tiers"].items():

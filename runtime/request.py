@@ -31,13 +31,13 @@ _FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHE
 
 class Request:
     """Scheduling state: the scheduler moves `num_computed_tokens` toward
-    `num_tokens_with_spec` (prompt + output, + draft tokens once speculation lands)."""
+    `num_tokens_with_spec` (prompt + output + draft tokens)."""
 
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling_params", "output_token_ids",
                  "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
                  "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob",
                  "cache_salt", "block_hashes", "external_tokens", "sample_index", "num_cached_tokens",
-                 "priority", "prompt_logprobs")
+                 "priority", "prompt_logprobs", "spec_token_ids", "num_new_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None,
@@ -70,6 +70,10 @@ class Request:
         self.external_tokens = False
         self.sample_index = 0               # i of `<id>#i`, sample i of n (runtime/parallel_sampling.py)
         self.num_cached_tokens = 0          # prompt tokens served by the prefix cache at first admission
+        # Speculative decoding (runtime/spec_decode): draft tokens proposed for the next step,
+        # never part of all_token_ids until verified; and how many tokens the last step added.
+        self.spec_token_ids: list[int] = []
+        self.num_new_tokens = 0
 
     def clone(self, request_id: str, sampling_params: SamplingParams | None = None) -> Request:
         """A new request with this one's prompt, tokens so far and limits (a fork's child,
@@ -93,7 +97,7 @@ class Request:
 
     @property
     def num_tokens_with_spec(self) -> int:
-        return len(self.all_token_ids)
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

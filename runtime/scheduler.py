@@ -22,6 +22,7 @@ from cache.hashing import extend_block_hashes
 from cache.manager import KVCacheManager
 from runtime.request import Request, RequestStatus
 from runtime.sampling_params import SamplingParams
+from runtime.spec_decode.scheduling import release_lookahead, schedule_drafts
 
 
 @dataclass(slots=True)
@@ -56,6 +57,9 @@ class SchedulerOutput:
     # Structured outputs: (request ids, one bitmask row each) of the constrained requests
     # that sample this step; the engine fills it (runtime/structured_outputs.py).
     grammar_bitmask: tuple | None = None
+    # Speculative decoding: the draft tokens scheduled per request (counted in
+    # num_scheduled_tokens after its committed tokens; runtime/spec_decode/scheduling.py).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # KV tiers (cache/tiers/): pages to read out and to fill, before anything else this step.
     kv_transfers: object | None = None
 
@@ -325,6 +329,8 @@ class Scheduler:
             if hit and req.num_computed_tokens == self._fork_point(req):
                 self._release_forks(req)    # the prefix hit reached the fork point
 
+        # Draft tokens take only the budget every decode and prefill chunk left over.
+        budget = schedule_drafts(self, out, budget)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.copies_before, out.copies_after = self.kv.take_copies()
         out.appended_token_ids, self._appended = self._appended, {}
@@ -337,7 +343,7 @@ class Scheduler:
         chunk of a state hybrid stops at the prompt's checkpoint positions, so the state
         there can be saved for prefix caching, and a parent of n > 1 samples stops at the
         fork point."""
-        num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
+        num_new = min(req.num_tokens - req.num_computed_tokens, budget)   # drafts come later
         for c in (*self.kv.checkpoint_positions(req.request_id, req.num_prompt_tokens), self._fork_point(req)):
             if c and req.num_computed_tokens < c < req.num_computed_tokens + num_new:
                 num_new = c - req.num_computed_tokens
@@ -379,12 +385,14 @@ class Scheduler:
         out.preempted_req_ids.add(req.request_id)
 
     def update(self, out: SchedulerOutput, sampled: dict[str, int],
-               logprobs: dict[str, dict] | None = None) -> list[Request]:
+               logprobs: dict[str, dict] | None = None, spec: dict | None = None) -> list[Request]:
         """Advance computed tokens, append sampled tokens, finish requests that stop.
 
         `sampled` holds a token only for requests whose scheduled tokens reached the end of
-        their sequence (a partial prefill chunk samples nothing). Returns the requests that
-        got a new token (finished ones have a finished status and no blocks any more).
+        their sequence (a partial prefill chunk samples nothing). `spec` holds, for requests
+        that verified drafts, a SpecResult: their committed tokens (accepted drafts + one)
+        and computed count after rollback. Returns the requests that got new tokens
+        (`num_new_tokens` of them; finished ones have a finished status and no blocks).
         """
         updated: list[Request] = []
         bs = self.kv.block_size
@@ -392,6 +400,10 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:   # aborted while the step ran
                 continue
+            res = spec.get(rid) if spec else None
+            if res is not None:    # rejected drafts (and a rolled-back state's replay) do not count
+                num = res.num_computed - req.num_computed_tokens
+            req.spec_token_ids = []
             req.num_computed_tokens += num
             # Publish blocks that just became full and computed: only a step that crossed a block
             # boundary has any (a decode does so once per block_size steps).
@@ -406,13 +418,21 @@ class Scheduler:
             if req.external_tokens:   # its next token comes from outside: report, do not append
                 self._proposals[rid] = logprobs[rid]["top"]
                 continue
-            req.append_output_token(token)
-            if req.logprobs is not None and logprobs is not None:
-                req.logprobs.append(logprobs[rid])
+            tokens = [token] if res is None else res.tokens
+            lps = ([logprobs[rid]] if logprobs is not None else None) if res is None else res.logprobs
+            for j, t in enumerate(tokens):   # max_tokens, EOS, stop ids: exactly as one at a time
+                req.append_output_token(t)
+                if req.logprobs is not None and lps is not None:
+                    req.logprobs.append(lps[j])
+                if req.check_stop():
+                    break
+            req.num_new_tokens = j + 1
             updated.append(req)
-            if req.check_stop():
+            if req.status.finished:
                 self.running.remove(req)
                 self._free(req)
+            elif res is not None:
+                release_lookahead(self.kv, req, num)
         self.kv.finish_step()
         if self.tiers is not None:
             self.tiers.finish_step()

@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                     help="priority: requests' `priority` field orders admission and preemption (lower first)")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
+    ap.add_argument("--speculative-config", default=None,
+                    help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--tool-call-parser", default=None,
                     help="how tool calls are found in the model's text for tool_choice auto (hermes); "
                          "default: the spec's tool_parser")
@@ -169,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
                               kv_disk_tier_bytes=int(args.kv_disk_tier_gib * (1 << 30)),
                               kv_remote_tier_url=args.kv_remote_tier_url, kv_tier_salt=args.kv_tier_salt,
                               kv_tier_write_through=args.kv_tier_write_through,
-                              preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens)
+                              preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens,
+                              speculative=args.speculative_config)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -27,6 +27,7 @@ from runtime.worker import prompt_logprobs
 from runtime.worker.prompt_logprobs import PromptLogprobsChunk
 from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
+from runtime.spec_decode.verifier import SpecVerifier
 from runtime.worker.step_plan import StepBatch, plan_layers
 
 
@@ -35,6 +36,7 @@ class ModelRunnerOutput:
     sampled: dict[str, int]            # req id -> new token (only rows that completed)
     logprobs: dict[str, dict] | None   # req id -> {"token": (logprob, rank), "top": {id: logprob}}
     prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None   # req id -> this step's prompt entries
+    spec: dict | None = None           # req id -> SpecResult, for requests that verified drafts
 
 
 class ModelRunner:
@@ -51,6 +53,7 @@ class ModelRunner:
         self.batch = InputBatch(max_num_reqs, max_model_len, [kv_config.block_size] * len(kv_config.groups))
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.sampler = Sampler()
+        self.spec_verifier = SpecVerifier(max_num_reqs)   # speculative decoding's drafts and rollback
         # State mixers by cache id: `zooinfer::state_update` finds its module here (see ForwardContext).
         self.state_layers = model.state_mixers()
         self.compiled = compile
@@ -177,6 +180,8 @@ class ModelRunner:
         for rid, tokens in so.appended_token_ids.items():
             if rid in b.req_id_to_row:
                 b.append_tokens(rid, tokens)
+        if so.spec_token_ids:
+            self.spec_verifier.write_drafts(b, so.spec_token_ids)
         self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
@@ -234,6 +239,7 @@ class ModelRunner:
             torch._dynamo.decorators.mark_unbacked(ids_t, 0)
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
         self._copy_pages(so.copies_before)         # checkpoint loads, fork copies
+        saved = self.spec_verifier.snapshot(self) if so.spec_token_ids else None   # states before the drafts
         with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)):
             hidden = self.graphs.replay(graph_bs, input_ids, positions) if graph_bs else \
                 self.forward(ids_t, pos_t, self.kv_caches)
@@ -242,6 +248,10 @@ class ModelRunner:
         prompt_lps = None
         if (b.prompt_logprobs[rows] >= 0).any():    # from this forward's hidden states, no second pass
             prompt_lps = prompt_logprobs.compute(hidden, self.model.compute_logits, b, rows, req_rows, positions)
+        if so.spec_token_ids:     # verified now: finish_step passes the output through
+            out = self.spec_verifier.sample(self, so, hidden, rows, cu, done, seq_lens - num_sched, saved)
+            out.prompt_logprobs = prompt_lps
+            return out
         return hidden, rows, done, logits_index, so.grammar_bitmask, prompt_lps
 
     @torch.inference_mode()

@@ -113,6 +113,18 @@ class Sampler:
         self.greedy_head = greedy_head or GreedyHead()
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        raw, logits = self.prepare(logits, meta)
+        if meta.all_greedy:
+            sampled = self.greedy_head.argmax(logits)
+        else:
+            sampled = self._sample(logits, meta)
+        out = SamplerOutput(token_ids=sampled)
+        if meta.max_logprobs is not None:
+            self._gather_logprobs(raw, sampled, meta.max_logprobs, out)
+        return out
+
+    def prepare(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(raw float logits, kept for logprobs; the logits after edits, bans and grammar)."""
         raw = logits.float()
         logits = raw if meta.edits is None else meta.edits.apply(raw)   # raw stays intact for logprobs
         if meta.banned is not None:
@@ -124,18 +136,23 @@ class Sampler:
             if logits is raw:
                 logits = raw.clone()
             apply_bitmask(logits, *meta.grammar)
-        if meta.all_greedy:
-            sampled = self.greedy_head.argmax(logits)
-        else:
-            sampled = self._sample(logits, meta)
-        out = SamplerOutput(token_ids=sampled)
-        if meta.max_logprobs is not None:
-            self._gather_logprobs(raw, sampled, meta.max_logprobs, out)
-        return out
+        return raw, logits
 
     def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         greedy_rows = meta.temperature == 0
         greedy = self.greedy_head.argmax(logits)
+        probs = self.probs(logits, meta)
+        q = _exponential(probs.shape, device=probs.device)
+        for row, gen in meta.generators.items():
+            q[row] = _exponential(probs.shape[-1:], generator=gen, device=probs.device)
+        sampled = lm_head.argmax(probs / q)   # the exponential race: the same exact argmax
+        return torch.where(greedy_rows, greedy, sampled)
+
+    @staticmethod
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Each row's sampling distribution: temperature (1 for greedy rows), top-k, top-p,
+        min-p (speculative verification draws from the same one)."""
+        greedy_rows = meta.temperature == 0
         temp = torch.where(greedy_rows, 1.0, meta.temperature)
         logits = logits / temp[:, None]
         if meta.top_k is not None or meta.top_p is not None:
@@ -144,11 +161,7 @@ class Sampler:
         if meta.min_p is not None:
             floor = meta.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
             probs = probs.masked_fill(probs < floor, 0.0)
-        q = _exponential(probs.shape, device=probs.device)
-        for row, gen in meta.generators.items():
-            q[row] = _exponential(probs.shape[-1:], generator=gen, device=probs.device)
-        sampled = lm_head.argmax(probs / q)   # the exponential race: the same exact argmax
-        return torch.where(greedy_rows, greedy, sampled)
+        return probs
 
     @staticmethod
     def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
