@@ -12,6 +12,7 @@ prefix hits are window-bounded.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -234,3 +235,27 @@ def test_compressed_with_kv_tiers(compressed, tmp_path):
     t = on.kv_cache_stats()["kv_tiers"]
     assert t["written_back_blocks"] > 0 and t["tier_hit_tokens"] > 0
     zoo_parity.assert_all_free(on)
+
+
+def test_flash_yaml_is_the_reference_config():
+    """zoo/deepseek-v4-flash.yaml declares what transformers' default DeepseekV4Config (the
+    V4-Flash checkpoint's) holds: sizes, the layer schedule, ropes, streams and MoE."""
+    from transformers import DeepseekV4Config
+    from models import load_spec
+    from models.kinds import from_hf_layer_type
+    cfg, spec = DeepseekV4Config(), load_spec(Path(__file__).resolve().parent.parent / "zoo/deepseek-v4-flash.yaml")
+    assert spec.layer_kinds == [from_hf_layer_type(t) for t in cfg.layer_types]
+    a, c, m = spec.attention, spec.compressed_attention, spec.moe
+    assert (spec.vocab_size, spec.hidden_size, a.num_heads, a.head_dim, a.sliding_window) == \
+        (cfg.vocab_size, cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim, cfg.sliding_window)
+    assert (c.q_lora_rank, c.o_groups, c.o_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk) == \
+        (cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk)
+    assert c.compress_rates == cfg.compress_rates
+    assert (m.num_experts, m.num_experts_per_tok, m.intermediate_size, m.routed_scaling_factor, m.swiglu_limit) == \
+        (cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.routed_scaling_factor,
+         cfg.swiglu_limit)
+    assert m.hash_layers == [i for i, t in enumerate(cfg.mlp_layer_types) if t == "hash_moe"]
+    assert (spec.rope.theta, spec.rope_local.theta) == (cfg.compress_rope_theta, cfg.rope_theta)
+    assert int(a.head_dim * spec.rope.partial_rotary_factor) == cfg.qk_rope_head_dim
+    assert (spec.hyper_connections.streams, spec.hyper_connections.sinkhorn_iters) == (cfg.hc_mult,
+                                                                                      cfg.hc_sinkhorn_iters)
