@@ -22,6 +22,7 @@ from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
 from models import build_model, load_weights, resolve_spec
 from models.prepack import prepack_linears
+from models.quant_load import apply_quantization
 from models.builder import DTYPES
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
@@ -75,6 +76,9 @@ class Engine:
         self.model = build_model(spec, config.device, dtype)
         load_weights(self.model, spec)
         phase("weights")
+        self.quantized = apply_quantization(self.model, spec, config.quantization)   # {} for "none"
+        if self.quantized:
+            phase("quantize")
         if config.prepack_weights:   # only CPU float32 linears qualify; a no-op elsewhere
             packed = prepack_linears(self.model)
             if packed:
