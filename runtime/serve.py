@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                     help="priority: requests' `priority` field orders admission and preemption (lower first)")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
+    ap.add_argument("--quantization", default=None, help="linear weights: none, gguf, int8, int4, int4_asym "
+                    "(default: the spec's quantization.method; models/quant_load.py)")
     ap.add_argument("--tool-call-parser", default=None,
                     help="how tool calls are found in the model's text for tool_choice auto (hermes); "
                          "default: the spec's tool_parser")
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                               compile_cache_dir=args.compile_cache_dir, attention_backend=args.attention_backend,
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                               enable_prefix_caching=not args.no_prefix_caching,
-                              prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy)
+                              prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy,
+                              quantization=args.quantization)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

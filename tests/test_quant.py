@@ -57,10 +57,16 @@ def test_concat_of_mixed_formats_is_exact():
     assert (same.bits, same.group) == (4, 32)
 
 
-def _bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Worst-case fp32 error of a K-term dot product (K * 2^-23 relative to sum |x w|, twice:
-    the accumulation order and the fused dequantization differ from the reference)."""
-    return 2 * x.shape[1] * 2.0 ** -23 * (x.abs() @ w.abs().T) + 1e-30
+def _bound(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
+    """The stated bound: |kernel - x @ dequantize(W).T| <= 2 K 2^-23 sum_k |x_k| A_k, with
+    A = |scale * q| + |min - zero * scale| (the magnitudes the kernel sums: it scales each group's
+    integer dot product and adds the min / zero part from the group sums of x), twice the
+    worst-case fp32 error of a K-term sum (reference and kernel each round once per term)."""
+    rep = (lambda t: t.repeat_interleave(qw.group, dim=1)[:, :qw.k])
+    s = rep(qw.scale)
+    off = (rep(qw.min) if qw.min is not None else 0) - qw.zero * s
+    a = (s * qw.values()[:, :qw.k].float()).abs() + off.abs()
+    return 2 * x.shape[1] * 2.0 ** -23 * (x.abs() @ a.T) + 1e-30
 
 
 def _weights():
@@ -93,7 +99,7 @@ def test_kernel_equals_dequantize_then_matmul(case, isa):
         got = quant_gemm.quant_linear(xp, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None, isa)
         want = x @ w.T
         assert got.shape == want.shape
-        assert ((got - want).abs() <= _bound(x, w)).all(), (rows, (got - want).abs().max())
+        assert ((got - want).abs() <= _bound(x, qw)).all(), (rows, (got - want).abs().max())
     deq = quant_gemm.dequantize(qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, qw.k_pad, isa)[:, :qw.k]
     assert ((deq - w).abs() <= 2.0 ** -23 * 4 * w.abs().amax(1, keepdim=True)).all()
 
@@ -112,7 +118,7 @@ def test_quant_linear_module(kernels, monkeypatch):
     got, want = lin(x), F.linear(x, w, bias)
     assert got.shape == (2, 3, qw.n)
     if kernels:
-        assert ((got - want).abs() <= _bound(x.view(6, -1), w).view(2, 3, -1) + 1e-6 * bias.abs()).all()
+        assert ((got - want).abs() <= _bound(x.view(6, -1), qw).view(2, 3, -1) + 1e-6 * bias.abs()).all()
     else:
         assert torch.equal(got, want)          # the fallback is F.linear on the same weight
     assert torch.equal(lin.weight, w)

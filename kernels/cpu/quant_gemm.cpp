@@ -10,9 +10,10 @@
 // K is a multiple of G (the Python wrapper pads x and the weight for other K).
 //
 // Decode (M <= DECODE_ROWS): threads split the output rows; each row's quantized bytes are read
-// once, in address order, a 32-weight block at a time dequantized in registers (widen, convert,
-// one FMA with the group's scale and min - zero * scale) and multiplied into up to MR rows of x
-// at once (register accumulators, one horizontal sum per output). Prefill (more rows): a tile of
+// once, in address order, a 32-weight block at a time widened and converted in registers and
+// multiplied into up to MR rows of x at once; each group's sum is scaled by one FMA, and the
+// (min - zero * scale) part of the weights is applied as a dot product with the per-group sums of
+// x (computed once per call): sum_k x w = sum_g s_g (sum_k x q) + (min_g - zero s_g) sum_k x. Prefill (more rows): a tile of
 // weight rows is dequantized once into an fp32 buffer (in parallel) and multiplied by all M rows
 // with at::mm, so the dequantization cost is shared by every row of the chunk.
 //
@@ -27,6 +28,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -44,6 +46,14 @@ struct QW {                          // one quantized weight, as the kernels rea
     return (minv ? minv[row * (k / group) + g] : 0.f) - static_cast<float>(zero) * s;
   }
 };
+
+// sum over groups of (min - zero * scale) * xsum: the part of a row's product that does not depend on q
+inline float offset_dot(const QW& w, int64_t row, const float* xsum) {
+  const int64_t ng = w.k / w.group;
+  float acc = 0.f;
+  for (int64_t g = 0; g < ng; ++g) acc += w.offset(row, g) * xsum[g];
+  return acc;
+}
 
 // ------------------------------------------------------------------------------------ scalar
 inline float weight_at(const QW& w, int64_t row, int64_t kk) {
@@ -111,26 +121,110 @@ ZI_AVX2 inline void block_avx2(const QW& w, int64_t row, int64_t kb, __m256 out[
   }
 }
 
-ZI_AVX2 void rows_avx2(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
-                       int64_t n0, int64_t n1) {
-  const int64_t nb = w.k / 32;
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
-      __m256 acc[MR][2];
-      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-      for (int64_t kb = 0; kb < nb; ++kb) {
-        __m256 wv[4];
-        block_avx2(w, n, kb, wv);
-        for (int i = 0; i < rows; ++i) {
-          const float* xr = x + (m0 + i) * ldx + kb * 32;
-          acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr), wv[0], acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 8), wv[1], acc[i][1]);
-          acc[i][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 16), wv[2], acc[i][0]);
-          acc[i][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xr + 24), wv[3], acc[i][1]);
+ZI_AVX2 inline float offset_dot256(const QW& w, int64_t row, const float* xsum) {   // offset_dot, 8 groups a step
+  const int64_t ng = w.k / w.group;
+  const float* sp = w.scale + row * ng;
+  const float* mp = w.minv ? w.minv + row * ng : nullptr;
+  const __m256 z = _mm256_set1_ps(static_cast<float>(w.zero));
+  __m256 acc = _mm256_setzero_ps();
+  int64_t g = 0;
+  for (; g + 8 <= ng; g += 8) {
+    const __m256 mv = mp ? _mm256_loadu_ps(mp + g) : _mm256_setzero_ps();
+    acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(z, _mm256_loadu_ps(sp + g), mv), _mm256_loadu_ps(xsum + g), acc);
+  }
+  float tail = hsum8(acc);
+  for (; g < ng; ++g) tail += w.offset(row, g) * xsum[g];
+  return tail;
+}
+
+// acc[R] of a tile of R rows of x against weight row n: per group, the integer weights times x
+// (two chains), then one FMA with the group's scale; the min / zero term comes from xsum.
+template <int R>
+ZI_AVX2 inline void tile_avx2(const QW& w, int64_t n, const float* x, int64_t ldx, const float* xsum,
+                              float* out, int64_t ldo) {
+  const int64_t ng = w.k / w.group, G = w.group;
+  const uint8_t* r = w.qs + n * w.row_bytes();
+  const float* sc = w.scale + n * ng;
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int64_t g = 0; G == 32 && g < ng; ++g) {   // one 32-weight block per group
+    const int64_t k = g * 32;
+    __m256 a, c, d, e;
+    if (w.bits == 4) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k / 2));
+      const __m256i lo8 = _mm256_cvtepu8_epi32(b), hi8 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+      a = _mm256_cvtepi32_ps(_mm256_and_si256(lo8, mask));
+      c = _mm256_cvtepi32_ps(_mm256_and_si256(hi8, mask));
+      d = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo8, 4));
+      e = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi8, 4));
+    } else {
+      const __m128i b0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k));
+      const __m128i b1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k + 16));
+      a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b0));
+      c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b0, 8)));
+      d = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b1));
+      e = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b1, 8)));
+    }
+    const __m256 sv = _mm256_set1_ps(sc[g]);
+    for (int i = 0; i < R; ++i) {
+      const float* xr = x + i * ldx + k;
+      const __m256 t0 = _mm256_fmadd_ps(c, _mm256_loadu_ps(xr + 8), _mm256_mul_ps(a, _mm256_loadu_ps(xr)));
+      const __m256 t1 = _mm256_fmadd_ps(e, _mm256_loadu_ps(xr + 24), _mm256_mul_ps(d, _mm256_loadu_ps(xr + 16)));
+      acc[i] = _mm256_fmadd_ps(_mm256_add_ps(t0, t1), sv, acc[i]);
+    }
+  }
+  for (int64_t g = 0; G != 32 && g < ng; ++g) {
+    __m256 t0[R], t1[R];
+    for (int i = 0; i < R; ++i) t0[i] = t1[i] = _mm256_setzero_ps();
+    const int64_t k0 = g * G, k1 = k0 + G;
+    if (w.bits == 4) {
+      for (int64_t k = k0; k < k1; k += 32) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k / 2));
+        const __m256i lo8 = _mm256_cvtepu8_epi32(b), hi8 = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+        const __m256 a = _mm256_cvtepi32_ps(_mm256_and_si256(lo8, mask));
+        const __m256 c = _mm256_cvtepi32_ps(_mm256_and_si256(hi8, mask));
+        const __m256 d = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo8, 4));
+        const __m256 e = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi8, 4));
+        for (int i = 0; i < R; ++i) {
+          const float* xr = x + i * ldx + k;
+          t0[i] = _mm256_fmadd_ps(a, _mm256_loadu_ps(xr), t0[i]);
+          t1[i] = _mm256_fmadd_ps(c, _mm256_loadu_ps(xr + 8), t1[i]);
+          t0[i] = _mm256_fmadd_ps(d, _mm256_loadu_ps(xr + 16), t0[i]);
+          t1[i] = _mm256_fmadd_ps(e, _mm256_loadu_ps(xr + 24), t1[i]);
         }
       }
-      for (int i = 0; i < rows; ++i) out[(m0 + i) * ldo + n] = hsum8(_mm256_add_ps(acc[i][0], acc[i][1]));
+    } else {
+      for (int64_t k = k0; k < k1; k += 16) {
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k));
+        const __m256 a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
+        const __m256 c = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8)));
+        for (int i = 0; i < R; ++i) {
+          t0[i] = _mm256_fmadd_ps(a, _mm256_loadu_ps(x + i * ldx + k), t0[i]);
+          t1[i] = _mm256_fmadd_ps(c, _mm256_loadu_ps(x + i * ldx + k + 8), t1[i]);
+        }
+      }
+    }
+    const __m256 sv = _mm256_set1_ps(sc[g]);
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(t0[i], t1[i]), sv, acc[i]);
+  }
+  for (int i = 0; i < R; ++i) out[i * ldo + n] = hsum8(acc[i]) + (xsum ? offset_dot256(w, n, xsum + i * ng) : 0.f);
+}
+
+ZI_AVX2 void rows_avx2(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
+                       int64_t n0, int64_t n1, const float* xsum) {
+  const int64_t ng = w.k / w.group;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const float* xs = xsum ? xsum + m0 * ng : nullptr;
+      const float* xm = x + m0 * ldx;
+      float* om = out + m0 * ldo;
+      switch (std::min<int64_t>(MR, M - m0)) {
+        case 1: tile_avx2<1>(w, n, xm, ldx, xs, om, ldo); break;
+        case 2: tile_avx2<2>(w, n, xm, ldx, xs, om, ldo); break;
+        case 3: tile_avx2<3>(w, n, xm, ldx, xs, om, ldo); break;
+        default: tile_avx2<4>(w, n, xm, ldx, xs, om, ldo); break;
+      }
     }
 }
 
@@ -166,26 +260,107 @@ ZI_AVX512 inline void block_avx512(const QW& w, int64_t row, int64_t kb, __m512&
   w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), s1, o1);
 }
 
-ZI_AVX512 void rows_avx512(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
-                           int64_t n0, int64_t n1) {
-  const int64_t nb = w.k / 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* next = w.qs + (n + 1) * w.row_bytes();   // the next row streams in meanwhile
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const int rows = static_cast<int>(std::min<int64_t>(MR, M - m0));
-      __m512 acc[MR][2];
-      for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-      for (int64_t kb = 0; kb < nb; ++kb) {
-        if (m0 == 0 && n + 1 < n1 && (kb & 3) == 0) __builtin_prefetch(next + kb * (w.bits == 4 ? 16 : 32), 0, 0);
-        __m512 w0, w1;
-        block_avx512(w, n, kb, w0, w1);
-        for (int i = 0; i < rows; ++i) {
-          const float* xr = x + (m0 + i) * ldx + kb * 32;
-          acc[i][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w0, acc[i][0]);
-          acc[i][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w1, acc[i][1]);
+ZI_AVX512 inline float offset_dot512(const QW& w, int64_t row, const float* xsum) {   // offset_dot, 16 groups a step
+  const int64_t ng = w.k / w.group;
+  const float* sp = w.scale + row * ng;
+  const float* mp = w.minv ? w.minv + row * ng : nullptr;
+  const __m512 z = _mm512_set1_ps(static_cast<float>(w.zero));
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 k = g + 16 <= ng ? __mmask16(0xFFFF) : __mmask16((1u << (ng - g)) - 1);
+    const __m512 mv = mp ? _mm512_maskz_loadu_ps(k, mp + g) : _mm512_setzero_ps();
+    const __m512 off = _mm512_fnmadd_ps(z, _mm512_maskz_loadu_ps(k, sp + g), mv);
+    acc = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(k, xsum + g), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+template <int R>
+ZI_AVX512 inline void tile_avx512(const QW& w, int64_t n, const float* x, int64_t ldx, const float* xsum,
+                                  float* out, int64_t ldo) {
+  const int64_t ng = w.k / w.group, G = w.group;
+  const uint8_t* r = w.qs + n * w.row_bytes();
+  const float* sc = w.scale + n * ng;
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const __m512i mask = _mm512_set1_epi32(15);
+  if (G == 32) {   // one 32-weight block per group (every GGUF legacy / 4-bit format, int4 default)
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t k = g * 32;
+      __m512 a, b;
+      if (w.bits == 4) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k / 2)));
+        a = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+        b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      } else {
+        const __m128i* p = reinterpret_cast<const __m128i*>(r + k);
+        a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+        b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+      }
+      const __m512 sv = _mm512_set1_ps(sc[g]);
+      for (int i = 0; i < R; ++i) {
+        const __m512 t = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * ldx + k + 16),
+                                         _mm512_mul_ps(a, _mm512_loadu_ps(x + i * ldx + k)));
+        acc[i][g & 1] = _mm512_fmadd_ps(t, sv, acc[i][g & 1]);
+      }
+    }
+  }
+  for (int64_t g = 0; G != 32 && g < ng; ++g) {
+    __m512 t0[R], t1[R];
+    for (int i = 0; i < R; ++i) t0[i] = t1[i] = _mm512_setzero_ps();
+    const int64_t k0 = g * G, k1 = k0 + G;
+    if (w.bits == 4) {
+      for (int64_t k = k0; k < k1; k += 32) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k / 2)));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+        for (int i = 0; i < R; ++i) {
+          t0[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
+          t1[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + i * ldx + k + 16), t1[i]);
         }
       }
-      for (int i = 0; i < rows; ++i) out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+    } else {
+      int64_t k = k0;
+      for (; k + 32 <= k1; k += 32) {
+        const __m128i* p = reinterpret_cast<const __m128i*>(r + k);
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+        for (int i = 0; i < R; ++i) {
+          t0[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
+          t1[i] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * ldx + k + 16), t1[i]);
+        }
+      }
+      if (k < k1) {   // a 16-weight group (Q6_K) or a group's odd last 16
+        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k))));
+        for (int i = 0; i < R; ++i) t0[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
+      }
+    }
+    const __m512 sv = _mm512_set1_ps(sc[g]);
+    for (int i = 0; i < R; ++i) acc[i][g & 1] = _mm512_fmadd_ps(_mm512_add_ps(t0[i], t1[i]), sv, acc[i][g & 1]);
+  }
+  for (int i = 0; i < R; ++i)
+    out[i * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
+                       (xsum ? offset_dot512(w, n, xsum + i * ng) : 0.f);
+}
+
+ZI_AVX512 void rows_avx512(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
+                           int64_t n0, int64_t n1, const float* xsum) {
+  const int64_t ng = w.k / w.group;
+  for (int64_t n = n0; n < n1; ++n) {
+    if (n + 1 < n1) {   // the next row streams in meanwhile
+      const char* next = reinterpret_cast<const char*>(w.qs + (n + 1) * w.row_bytes());
+      for (int64_t b = 0; b < w.row_bytes(); b += 64) __builtin_prefetch(next + b, 0, 0);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      const float* xs = xsum ? xsum + m0 * ng : nullptr;
+      const float* xm = x + m0 * ldx;
+      float* om = out + m0 * ldo;
+      switch (std::min<int64_t>(MR, M - m0)) {
+        case 1: tile_avx512<1>(w, n, xm, ldx, xs, om, ldo); break;
+        case 2: tile_avx512<2>(w, n, xm, ldx, xs, om, ldo); break;
+        case 3: tile_avx512<3>(w, n, xm, ldx, xs, om, ldo); break;
+        default: tile_avx512<4>(w, n, xm, ldx, xs, om, ldo); break;
+      }
     }
   }
 }
@@ -262,9 +437,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     const int64_t ldx = M > 1 ? xc.stride(0) : K;
     float* op = out.data_ptr<float>();
     if (M <= DECODE_ROWS) {
+      // x summed per group, for the min / zero term (min - zero * scale) * sum(x) of each group
+      std::vector<float> xsum;
+      if (w.minv || w.zero) {
+        const int64_t ng = K / w.group;
+        xsum.assign(M * ng, 0.f);
+        for (int64_t m = 0; m < M; ++m)
+          for (int64_t g = 0; g < ng; ++g) {
+            float a = 0.f;
+            for (int64_t j = 0; j < w.group; ++j) a += xp[m * ldx + g * w.group + j];
+            xsum[m * ng + g] = a;
+          }
+      }
+      const float* xs = xsum.empty() ? nullptr : xsum.data();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        if (isa == 2) rows_avx512(w, xp, ldx, M, op, N, n0, n1);
-        else if (isa == 1) rows_avx2(w, xp, ldx, M, op, N, n0, n1);
+        if (isa == 2) rows_avx512(w, xp, ldx, M, op, N, n0, n1, xs);
+        else if (isa == 1) rows_avx2(w, xp, ldx, M, op, N, n0, n1, xs);
         else rows_scalar(w, xp, ldx, M, op, N, n0, n1);
       });
     } else {
