@@ -5,7 +5,7 @@
 
 Quality, as llama.cpp's `perplexity --kl-divergence` measures it: the next-token distribution at
 every position of fixed text (this repo's README.md, tokenized, cut into `--window`-token
-windows, the first `--positions` positions), mean KL(fp32 || quantized) and the fraction of
+windows, the first `--positions` tokens), mean KL(fp32 || quantized) and the fraction of
 positions whose argmax agrees. Both sides are the HF transformers model of the embedded
 checkpoint; the quantized side has its linears swapped for our `QuantLinear` (the same kernels
 the engine runs): `gguf` with the GGUF's own blocks, the others made by our loader from the
@@ -47,7 +47,10 @@ def _swap_linears(model, fmt: str, spec) -> int:
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
-        qw = src.weight(f"{name}.weight") if src is not None else make[fmt](module.weight.detach())
+        if src is not None:
+            qw = src.weight(f"{name}.weight")
+        else:   # the head in int8 under every method, as models/quant_load.py does
+            qw = make["int8" if name == "lm_head" else fmt](module.weight.detach())
         if qw is None:
             continue
         parent, _, child = name.rpartition(".")
@@ -57,31 +60,34 @@ def _swap_linears(model, fmt: str, spec) -> int:
 
 
 @torch.no_grad()
-def _log_probs(model, windows: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [F.log_softmax(model(w[None]).logits[0].float(), dim=-1) for w in windows]
-
-
 def quality(name: str, formats: list[str], positions: int, window: int) -> list[tuple]:
+    """Per format: (model, format, linears swapped, positions, mean KL, max KL, top-1 agreement).
+    All models are held at once and run window by window, so only one window's logits live."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from models import resolve_spec
     from models.embedded import ensure_embedded
     path = ensure_embedded(name)
     spec = resolve_spec(ROOT / "zoo" / f"{name}.yaml")
-    ids = AutoTokenizer.from_pretrained(path)((ROOT / "README.md").read_text()).input_ids[:positions + 1]
-    windows = [torch.tensor(ids[i:i + window + 1]) for i in range(0, len(ids) - 1, window)]
-    windows = [w[:-1] for w in windows if len(w) > 1]
+    ids = AutoTokenizer.from_pretrained(path)((ROOT / "README.md").read_text()).input_ids[:positions]
+    windows = [torch.tensor(ids[i:i + window]) for i in range(0, len(ids), window)]
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ref = _log_probs(ref_model, windows)
+    models, swapped = {}, {}
+    for fmt in formats:
+        models[fmt] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        swapped[fmt] = _swap_linears(models[fmt], fmt, spec)
+    kl = {fmt: [] for fmt in formats}
+    top1 = {fmt: [] for fmt in formats}
+    for w in windows:
+        ref = F.log_softmax(ref_model(w[None]).logits[0].float(), dim=-1)
+        for fmt, model in models.items():
+            got = F.log_softmax(model(w[None]).logits[0].float(), dim=-1)
+            kl[fmt].append((ref.exp() * (ref - got)).sum(-1))
+            top1[fmt].append((ref.argmax(-1) == got.argmax(-1)).float())
     rows = []
     for fmt in formats:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        swapped = _swap_linears(model, fmt, spec)
-        got = _log_probs(model, windows)
-        kl = torch.cat([(r.exp() * (r - g)).sum(-1) for r, g in zip(ref, got)])
-        top1 = torch.cat([(r.argmax(-1) == g.argmax(-1)).float() for r, g in zip(ref, got)])
-        rows.append((name, fmt, swapped, kl.numel(), kl.mean().item(), kl.max().item(), top1.mean().item()))
-        del model
+        k, t = torch.cat(kl[fmt]), torch.cat(top1[fmt])
+        rows.append((name, fmt, swapped[fmt], k.numel(), k.mean().item(), k.max().item(), t.mean().item()))
     return rows
 
 

@@ -141,15 +141,17 @@ def quantize_int8(w: torch.Tensor) -> QuantWeight:
 
 @torch.no_grad()
 def quantize_int4(w: torch.Tensor, group: int = 32, symmetric: bool = True) -> QuantWeight:
-    """4-bit group-wise. Symmetric: q - 8 = round(w / s) in [-8, 7], s = max|w| / 7. Asymmetric:
+    """4-bit group-wise. Symmetric (as GGUF Q4_0): s = -w_max / 8 with w_max the group's weight of
+    largest magnitude, q - 8 = round(w / s) clamped to [-8, 7], so w_max is exact and all 16
+    levels are used (a weight of the opposite extreme may be one step off). Asymmetric:
     q = round((w - lo) / s) in [0, 15], s = (hi - lo) / 15, min = lo (per group of `group`)."""
     if group <= 0 or group % 32:
         raise ValueError(f"quantization.group_size must be a positive multiple of 32, got {group}")
     n, k = w.shape
     g, k_pad = _padded_groups(w, group)
     if symmetric:
-        s = g.abs().amax(-1) / 7
-        s = torch.where(s > 0, s, torch.ones_like(s))
+        s = g.gather(-1, g.abs().argmax(-1, keepdim=True)).squeeze(-1) / -8
+        s = torch.where(s != 0, s, torch.ones_like(s))
         q, minv, zero = torch.round(g / s[..., None]).clamp(-8, 7) + 8, None, 8
     else:
         lo, hi = g.amin(-1), g.amax(-1)

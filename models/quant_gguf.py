@@ -184,13 +184,15 @@ class GGUFLinears:
 @torch.no_grad()
 def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True) -> dict[str, str]:
     """Replace the linears whose checkpoint tensors are quantized in the GGUF at `path` by
-    `QuantLinear`s; returns {module name: format}. Raises ValueError when a quantized tensor does
-    not decode to exactly the loaded float weight (a wrong mapping would otherwise run silently)."""
+    `QuantLinear`s; returns {module name: format}. Raises ValueError, leaving the model as it was,
+    when a quantized tensor does not decode to exactly the loaded float weight (a wrong mapping
+    would otherwise run silently)."""
     src = GGUFLinears(path)
     sources = dict(model.weight_sources())
     if lm_head and "lm_head.weight" not in sources:
         sources["lm_head.weight"] = [("lm_head.weight", 0, model.lm_head.weight.shape[0])]
     done: dict[str, str] = {}
+    swaps: list[tuple[str, QuantLinear]] = []
     for param, parts in sources.items():
         module_name = param.removesuffix(".weight")
         if not param.endswith(".weight") or (module_name == "lm_head" and not lm_head):
@@ -211,7 +213,9 @@ def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True) -> dict[str
                                  f"checkpoint's {hf_name}; the name mapping or row order is wrong")
         qw = concat_rows(pieces)
         bias = module.bias.detach() if module.bias is not None else None
+        swaps.append((module_name, QuantLinear(qw, bias)))
+    for module_name, linear in swaps:   # only once every tensor checked: a refused GGUF changes nothing
         parent_name, _, child = module_name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, QuantLinear(qw, bias))
-        done[module_name] = qw.fmt
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+        done[module_name] = linear.fmt
     return done

@@ -42,6 +42,7 @@ def test_gemma3_270m_parity(gemma, regime):
     _check_regime("zoo/gemma3-270m.yaml", prompts, ref, regime, {"max_model_len": 1024, **REGIMES[regime]})
 
 
+@pytest.mark.slow   # ~80 s on 2 shared cores: a Gemma-3 engine of its own on top of the fixture's
 def test_gemma3_gguf_blocks_match_hf_on_dequantized_weights(gemma):
     """Q4_K / Q5_0 / Q6_K / Q8_0 blocks on the quantized kernels vs HF on the dequantized weights."""
     prompts, ref = gemma

