@@ -10,6 +10,7 @@ from torch import nn
 from cache.kv_cache_spec import KVCacheSpec
 from kernels.lm_head import GreedyHead
 from models.kinds import KINDS, linear_sources
+from models.hyper_connections import HyperConnectedLayer, HyperHead, hyper_sources
 from models.moe import moe_sources
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from models.spec import DTYPES, ModelSpec
@@ -31,7 +32,12 @@ class CausalLM(nn.Module):
         for cache_id, (i, name) in enumerate(spec.cache_layers()):
             kind = KINDS[name]
             mixers[i].append((kind, cache_id, local if kind.local_rope else rotary))
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, m) for i, m in enumerate(mixers))
+        # With hyper-connections (mHC) the residual is `streams` parallel streams, collapsed by
+        # hc_head before the final norm; otherwise one stream, added inside the next norm.
+        hc = spec.hyper_connections
+        layer_cls = DecoderLayer if hc is None else HyperConnectedLayer
+        self.layers = nn.ModuleList(layer_cls(spec, i, m) for i, m in enumerate(mixers))
+        self.hc_head = None if hc is None else HyperHead(spec)
         self.norm = RMSNorm(spec.hidden_size, spec.norm.eps, spec.norm.offset)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -44,6 +50,11 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.spec.embedding_multiplier != 1.0:
             x = x * self.spec.embedding_multiplier
+        if self.hc_head is not None:
+            streams = x.unsqueeze(1).expand(-1, self.spec.hyper_connections.streams, -1)
+            for layer in self.layers:
+                streams, _ = layer(positions, streams, None, [kv_caches[c] for c in layer.cache_ids], input_ids)
+            return self.norm(self.hc_head(streams))
         residual = None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, [kv_caches[c] for c in layer.cache_ids])
@@ -107,7 +118,7 @@ class CausalLM(nn.Module):
             if s.norm.sandwich or layer.post_norm:
                 src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
             if ffn == "moe":
-                src.update(moe_sources(s, ours + "mlp.", hf + (name("moe") + "." if name("moe") else "")))
+                src.update(moe_sources(s, ours + "mlp.", hf + (name("moe") + "." if name("moe") else ""), i))
             elif ffn == "mlp":
                 if m.gated:
                     gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
@@ -118,6 +129,8 @@ class CausalLM(nn.Module):
             for kind_name in s.layer_mixers(i):
                 kind = KINDS[kind_name]
                 src.update(kind.weight_sources(s, getattr(layer, kind.attr), f"{ours}{kind.attr}.", hf))
+        if s.hyper_connections is not None:
+            src.update(hyper_sources(s, s.num_layers))
         return src
 
 
@@ -136,7 +149,7 @@ def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torc
     keep = {id(p) for m in model.modules() for n in getattr(m, "fp32_params", ())
             if (p := getattr(m, n, None)) is not None}
     for p in model.parameters():
-        if id(p) not in keep:
+        if id(p) not in keep and p.is_floating_point():     # integer tables (a hash router's) stay as they are
             p.data = p.data.to(dtype)
     if spec.tie_word_embeddings:   # to_empty() gives each module its own storage: re-tie
         model.lm_head.weight = model.embed_tokens.weight

@@ -307,3 +307,33 @@ def _gpt_oss(cfg: dict, spec: dict) -> None:
 family("gpt_oss", adjust=_gpt_oss, weight_names={"moe_router": "router"},
        moe={"scoring": "topk_softmax", "router_bias": True, "expert_bias": True, "activation": "swiglu_clamped",
             "expert_layout": "fused_transposed", "gate_up_interleaved": True})
+
+
+def _deepseek_v4(cfg: dict, spec: dict) -> None:
+    """DeepSeek-V4: its two ropes (`main` for the sliding layers, `compress` for the CSA / HCA
+    layers and their compressors), hyper-connected residual streams (mHC), hash-routed MoE on
+    the `hash_moe` layers and multi-token-prediction layers (mtp.*) the model does not run."""
+    from models.import_hf import _rope
+    ropes = cfg.get("rope_parameters") or {}
+    spec["rope"] = _rope(cfg, ropes.get("compress") or {"rope_theta": cfg.get("compress_rope_theta", 160000.0)})
+    spec["rope_local"] = _rope(cfg, ropes.get("main") or {"rope_theta": cfg.get("rope_theta", 10000.0)})
+    for rope in (spec["rope"], spec["rope_local"]):
+        rope["partial_rotary_factor"] = float(cfg["partial_rotary_factor"])
+    spec["hyper_connections"] = {"streams": cfg["hc_mult"], "sinkhorn_iters": cfg["hc_sinkhorn_iters"],
+                                 "eps": float(cfg["hc_eps"])}
+    spec["layers"]["ffn"] = ["moe"] * spec["layers"]["num"]
+    spec["moe"]["hash_layers"] = [i for i, t in enumerate(cfg.get("mlp_layer_types") or []) if t == "hash_moe"]
+    spec["checkpoint"]["ignore"] = ["mtp."]
+
+
+# DeepSeek-V4: shared-KV MQA with sinks on every layer (sliding window; CSA / HCA layers add
+# compressed entries), mHC residual streams, sqrt-softplus routed MoE (first layers hash-routed)
+# with clamped SwiGLU experts (w1 / w3 / w2) and one shared expert; DeepSeek's own tensor
+# names, as transformers' save_pretrained writes them back.
+family("deepseek_v4", layer_types={"sliding_attention": "swa_shared_kv"},
+       moe={"selection_bias": True, "shared_expert_gate": False, "activation": "silu_clamped"},
+       weight_names={"lm_head": "head.weight", "input_norm": "attn_norm.weight", "post_attn_norm": "ffn_norm.weight",
+                     "moe": "ffn", "moe_router_selection_bias": "bias", "moe_shared": "shared_experts",
+                     "moe_expert_gate": "w1", "moe_expert_up": "w3", "moe_expert_down": "w2",
+                     "moe_shared_gate": "w1", "moe_shared_up": "w3", "moe_shared_down": "w2"},
+       adjust=_deepseek_v4)

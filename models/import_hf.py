@@ -26,7 +26,7 @@ _UNSUPPORTED = {
     "use_post_attention_norm": (None, False), "use_qk_layernorm": (None, False),
     "use_parallel_residual": (None, False), "alibi": (None, False),
     # DeepSeek-V2's group_limited_greedy ranks groups by their best expert, not their best two
-    "topk_method": (None, "greedy", "noaux_tc"), "scoring_func": (None, "softmax", "sigmoid"),
+    "topk_method": (None, "greedy", "noaux_tc"), "scoring_func": (None, "softmax", "sigmoid", "sqrtsoftplus"),
 }
 
 

@@ -234,7 +234,8 @@ def fold_weight_scales(model: CausalLM) -> None:
 @torch.no_grad()
 def init_dummy(model: CausalLM, seed: int, std: float) -> None:
     """Seeded random weights: normal(0, std) for matrices, 1 (or 0 for offset norms) for
-    norm weights, zero biases. Same seed, same weights, on any machine."""
+    norm weights, zero biases; a module with an `init_dummy_(generator)` fills its own integer
+    tables. Same seed, same weights, on any machine."""
     from models.layers import RMSNorm
     gen = torch.Generator().manual_seed(seed)
     offset_norms = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm) and m.offset}
@@ -243,8 +244,11 @@ def init_dummy(model: CausalLM, seed: int, std: float) -> None:
             p.fill_(0.0 if id(p) in offset_norms else 1.0)
         elif name.endswith(".bias"):
             p.zero_()
-        else:
+        elif p.is_floating_point():
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32) * std)
+    for m in model.modules():      # tables random normals do not fit (a hash router's expert ids)
+        if hasattr(m, "init_dummy_"):
+            m.init_dummy_(gen)
 
 
 def load_weights(model: CausalLM, spec: ModelSpec) -> None:

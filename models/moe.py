@@ -57,7 +57,7 @@ from torch import nn
 
 from models import activations
 from models.kinds import linear_sources
-from models.moe_spec import CLAMPED_SWIGLU, MoESpec
+from models.moe_spec import CLAMPED_SILU, CLAMPED_SWIGLU, MoESpec
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
@@ -81,6 +81,8 @@ def expert_act(h: torch.Tensor, activation: str, gated: bool, alpha: float, limi
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    if activation == CLAMPED_SILU:       # DeepSeek-V4: silu of the gate capped above, up clamped both ways
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
     return activations.activation(activation)(gate) * up
 
 
@@ -179,16 +181,21 @@ class Router(nn.Module):
     """Picks each token's experts and their weights (see the module docstring).
 
     Parameters: weight [E, hidden]; bias [E] (router_bias); e_score_correction_bias [E]
-    (selection_bias, float32 always, as DeepSeek keeps it)."""
+    (selection_bias, float32 always, as DeepSeek keeps it). A hash router (`vocab_size` given:
+    DeepSeek-V4's hash_moe layers) picks each token's experts from `tid2eid` [vocab, K] (int64,
+    from the checkpoint) by its token id instead of by score; the scores still weight them."""
 
-    def __init__(self, hidden_size: int, m: MoESpec) -> None:
+    def __init__(self, hidden_size: int, m: MoESpec, vocab_size: int | None = None) -> None:
         super().__init__()
         self.num_experts, self.top_k = m.num_experts, m.num_experts_per_tok
         self.scoring, self.norm_topk_prob, self.scale = m.scoring, m.norm_topk_prob, m.routed_scaling_factor
         self.n_group, self.topk_group, self.fp32 = m.n_group, m.topk_group, m.router_fp32
         self.weight = _param(m.num_experts, hidden_size)
         self.bias = _param(m.num_experts) if m.router_bias else None
-        self.e_score_correction_bias = _param(m.num_experts) if m.selection_bias else None
+        self.hashed = vocab_size is not None
+        self.e_score_correction_bias = _param(m.num_experts) if m.selection_bias and not self.hashed else None
+        self.tid2eid = nn.Parameter(torch.zeros(vocab_size, self.top_k, dtype=torch.long),
+                                    requires_grad=False) if self.hashed else None
         # build_model leaves these in float32 whatever the model dtype (HF keeps them so too)
         self.fp32_params = (("weight", "bias") if m.router_fp32 else ()) + ("e_score_correction_bias",)
 
@@ -200,11 +207,19 @@ class Router(nn.Module):
             group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
             keep = torch.zeros_like(group_scores).scatter_(1, group_idx, 1).bool()
             choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape_as(choice), float("-inf"))
-        # sigmoid routers take an unsorted top-k, as DeepSeek does, so slot order matches too
-        return torch.topk(choice, k=self.top_k, dim=-1, sorted=self.scoring != "sigmoid")[1]
+        # sigmoid / sqrtsoftplus routers take an unsorted top-k, as DeepSeek does, so slot order matches too
+        return torch.topk(choice, k=self.top_k, dim=-1, sorted=self.scoring not in ("sigmoid", "sqrtsoftplus"))[1]
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (top_k_weights [T, K], top_k_index [T, K]); weights in x.dtype, or float32 with router_fp32."""
+    @torch.no_grad()
+    def init_dummy_(self, gen: torch.Generator) -> None:
+        """Dummy weights: a hash table of K distinct experts per token (seeded), not random normals."""
+        if self.hashed:
+            table = torch.rand(self.tid2eid.shape[0], self.num_experts, generator=gen).argsort(dim=-1)
+            self.tid2eid.copy_(table[:, :self.top_k])
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] (and the tokens' ids [T] for a hash router) -> (top_k_weights [T, K],
+        top_k_index [T, K]); weights in x.dtype, or float32 with router_fp32."""
         if self.fp32:
             bias = None if self.bias is None else self.bias.float()
             logits = F.linear(x.float(), self.weight.float(), bias)
@@ -214,10 +229,15 @@ class Router(nn.Module):
             scores = logits.float()
         elif self.scoring == "sigmoid":
             scores = logits.float().sigmoid()
+        elif self.scoring == "sqrtsoftplus":
+            scores = F.softplus(logits.float()).sqrt()
         else:
             scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
-        index = self._pick(choice)
+        if self.hashed:
+            index = self.tid2eid[token_ids]
+        else:
+            choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+            index = self._pick(choice)
         weights = scores.gather(1, index)
         if self.scoring == "topk_softmax":
             weights = torch.softmax(weights, dim=-1)
@@ -234,14 +254,15 @@ class MoE(nn.Module):
     Submodules: gate (Router; None without routed experts), experts (FusedExperts), latent_in /
     latent_out (latent_size), shared_expert (SharedExpert), shared_expert_gate ([1, hidden])."""
 
-    def __init__(self, hidden_size: int, m: MoESpec, mlp_activation: str = "silu"):
+    def __init__(self, hidden_size: int, m: MoESpec, mlp_activation: str = "silu", vocab_size: int | None = None):
+        """vocab_size: set for a hash-routed block (its router's token id table)."""
         super().__init__()
         act = m.expert_activation(mlp_activation)
         common = dict(activation=act, gated=m.gated, alpha=m.swiglu_alpha, limit=m.swiglu_limit)
         self.gate = self.experts = self.latent_in = self.latent_out = None
         self.shared_expert = self.shared_expert_gate = None
         if m.num_experts > 0:
-            self.gate = Router(hidden_size, m)
+            self.gate = Router(hidden_size, m, vocab_size)
             in_size = m.latent_size or hidden_size
             self.experts = FusedExperts(m.num_experts, in_size, m.intermediate_size, bias=m.expert_bias, **common)
             if m.latent_size:
@@ -256,10 +277,15 @@ class MoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate(x)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def hashed(self) -> bool:
+        """Routed by token id (its forward needs the tokens' ids)."""
+        return self.gate is not None and self.gate.hashed
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         out = None
         if self.experts is not None:
-            weights, index = self.gate(x)
+            weights, index = self.gate(x, token_ids)
             h = x if self.latent_in is None else self.latent_in(x)
             out = self.experts(h, index, weights)
             if self.latent_out is not None:
@@ -273,8 +299,9 @@ class MoE(nn.Module):
 
 
 def make_moe(spec: ModelSpec, layer_id: int) -> MoE:
-    """The MoE block of an MoE layer (`moe:` section)."""
-    return MoE(spec.hidden_size, spec.moe, spec.mlp.activation)
+    """The MoE block of an MoE layer (`moe:` section); hash-routed on `moe.hash_layers`."""
+    hashed = layer_id in spec.moe.hash_layers
+    return MoE(spec.hidden_size, spec.moe, spec.mlp.activation, spec.vocab_size if hashed else None)
 
 
 def moe_names(spec: ModelSpec) -> dict[str, str]:
@@ -316,9 +343,10 @@ def _expert_sources(m: MoESpec, n: dict[str, str], ours: str, ex: str, in_size: 
     return src
 
 
-def moe_sources(spec: ModelSpec, ours: str, hf: str) -> dict[str, list[tuple]]:
+def moe_sources(spec: ModelSpec, ours: str, hf: str, layer: int = -1) -> dict[str, list[tuple]]:
     """Our MoE params (prefix `ours`) -> checkpoint tensors (prefix `hf`, the block's), as
-    models.builder's weight_sources: [(name, row offset, rows[, loader transforms])]."""
+    models.builder's weight_sources: [(name, row offset, rows[, loader transforms])]; `layer`
+    tells whether the block is hash-routed (a token id table instead of a selection bias)."""
     m, H, n = spec.moe, spec.hidden_size, moe_names(spec)
     E, S = m.num_experts, m.shared_expert_intermediate_size
     src: dict[str, list[tuple]] = {}
@@ -327,8 +355,10 @@ def moe_sources(spec: ModelSpec, ours: str, hf: str) -> dict[str, list[tuple]]:
         src[ours + "gate.weight"] = [(router + ".weight", 0, E)]
         if m.router_bias:
             src[ours + "gate.bias"] = [(router + ".bias", 0, E)]
-        if m.selection_bias:
-            src[ours + "gate.e_score_correction_bias"] = [(router + ".e_score_correction_bias", 0, E)]
+        if layer in m.hash_layers:
+            src[ours + "gate.tid2eid"] = [(f"{router}.{n['moe_router_table']}", 0, spec.vocab_size)]
+        elif m.selection_bias:
+            src[ours + "gate.e_score_correction_bias"] = [(f"{router}.{n['moe_router_selection_bias']}", 0, E)]
         ex = hf + (n["moe_experts"] + "." if n["moe_experts"] else "")
         src.update(_expert_sources(m, n, ours, ex, m.latent_size or H))
         if m.latent_size:

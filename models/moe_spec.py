@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from models.activations import ACTIVATIONS
 
 MOE_STYLES = ("qwen", "granite")
-MOE_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+MOE_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "sqrtsoftplus")
 EXPERT_LAYOUTS = ("per_expert", "fused", "fused_transposed")
 CLAMPED_SWIGLU = "swiglu_clamped"     # GPT-OSS's expert activation (needs swiglu_alpha / swiglu_limit)
+CLAMPED_SILU = "silu_clamped"        # DeepSeek-V4's: silu(min(gate, limit)) * clamp(up, -limit, limit)
 # What a `style` fills in for the fields it leaves None (a style is only a preset of these).
 _MOE_STYLE_DEFAULTS = {"qwen": {"scoring": "softmax", "shared_expert_gate": True, "expert_layout": "per_expert"},
                        "granite": {"scoring": "topk_softmax", "shared_expert_gate": False, "expert_layout": "fused"}}
@@ -37,18 +38,21 @@ class MoESpec:
     # ---- router
     scoring: str | None = None             # softmax: top-k of softmax(logits) (Qwen, MiniMax);
     #   sigmoid: top-k of sigmoid(logits) (DeepSeek-V3, Kimi, Nemotron-H);
-    #   topk_softmax: top-k logits, softmax over those k (Granite, GPT-OSS, Mixtral)
+    #   topk_softmax: top-k logits, softmax over those k (Granite, GPT-OSS, Mixtral);
+    #   sqrtsoftplus: top-k of sqrt(softplus(logits)) (DeepSeek-V4)
     router_bias: bool = False              # router linear has a bias (GPT-OSS)
     selection_bias: bool = False           # e_score_correction_bias: added to the scores to pick experts, not to weight them
     n_group: int = 1                       # group-limited routing: experts in n_group groups, a group ranked by
     topk_group: int = 1                    #   the sum of its 2 best scores, experts picked from the topk_group best
     routed_scaling_factor: float = 1.0     # the k weights times this (after renormalising)
+    hash_layers: list = field(default_factory=list)   # layers whose router picks experts from a fixed
+    #   token id -> k experts table (`tid2eid`, DeepSeek-V4's hash_moe); the scores still weight them
     router_fp32: bool = False              # router logits, scores and weights in float32 whatever the model dtype
     # ---- routed experts
-    activation: str | None = None          # None: mlp.activation; or swiglu_clamped (GPT-OSS)
+    activation: str | None = None          # None: mlp.activation; or swiglu_clamped (GPT-OSS), silu_clamped (V4)
     gated: bool = True                     # act(x Wg) * (x Wu); False: act(x Wu) with up_proj only (Nemotron-H relu2)
     swiglu_alpha: float = 1.702            # swiglu_clamped: (clamp(up) + 1) * g * sigmoid(alpha * g), g = min(gate, limit)
-    swiglu_limit: float = 7.0
+    swiglu_limit: float = 7.0              # swiglu_clamped / silu_clamped: the clamp bound
     expert_bias: bool = False              # biases on the expert projections (GPT-OSS)
     expert_layout: str | None = None       # checkpoint: experts.{e}.*_proj.weight, fused [E, out, in] or
     #   fused_transposed [E, in, out] tensors
@@ -77,7 +81,7 @@ def validate_moe(m: MoESpec, num_layers: int, fail) -> None:
     """The `moe:` section's values and how they fit together; one line naming the field."""
     for where, value, allowed in (("moe.style", m.style, MOE_STYLES), ("moe.scoring", m.scoring, MOE_SCORINGS),
                                   ("moe.expert_layout", m.expert_layout, EXPERT_LAYOUTS),
-                                  ("moe.activation", m.activation or "silu", (*ACTIVATIONS, CLAMPED_SWIGLU))):
+                                  ("moe.activation", m.activation or "silu", (*ACTIVATIONS, CLAMPED_SWIGLU, CLAMPED_SILU))):
         if value not in allowed:
             fail(where, f"{value!r} is not one of {', '.join(allowed)}")
     for where, value in (("num_experts", m.num_experts), ("shared_expert_intermediate_size",
@@ -93,9 +97,10 @@ def validate_moe(m: MoESpec, num_layers: int, fail) -> None:
             fail("moe.intermediate_size", f"must be > 0, got {m.intermediate_size}")
     if m.decoder_sparse_step < 1:
         fail("moe.decoder_sparse_step", f"must be >= 1, got {m.decoder_sparse_step}")
-    for i, layer in enumerate(m.mlp_only_layers):
-        if not isinstance(layer, int) or not 0 <= layer < num_layers:
-            fail(f"moe.mlp_only_layers[{i}]", f"expected a layer index in [0, {num_layers}), got {layer!r}")
+    for key in ("mlp_only_layers", "hash_layers"):
+        for i, layer in enumerate(getattr(m, key)):
+            if not isinstance(layer, int) or not 0 <= layer < num_layers:
+                fail(f"moe.{key}[{i}]", f"expected a layer index in [0, {num_layers}), got {layer!r}")
     if m.n_group < 1 or (m.num_experts and m.num_experts % m.n_group):
         fail("moe.n_group", f"must be >= 1 and divide num_experts={m.num_experts}, got {m.n_group}")
     if not 1 <= m.topk_group <= m.n_group:
@@ -107,9 +112,9 @@ def validate_moe(m: MoESpec, num_layers: int, fail) -> None:
         if m.topk_group * per_group < m.num_experts_per_tok:
             fail("moe.topk_group", f"{m.topk_group} groups of {per_group} experts cannot supply "
                                    f"num_experts_per_tok={m.num_experts_per_tok}")
-    if m.activation == CLAMPED_SWIGLU:
+    if m.activation in (CLAMPED_SWIGLU, CLAMPED_SILU):
         if not m.gated:
-            fail("moe.activation", f"{CLAMPED_SWIGLU} is a gated activation; it needs gated: true")
+            fail("moe.activation", f"{m.activation} is a gated activation; it needs gated: true")
         if m.swiglu_limit <= 0:
             fail("moe.swiglu_limit", f"must be > 0, got {m.swiglu_limit}")
     if m.gate_up_interleaved and (m.expert_layout == "per_expert" or not m.gated):

@@ -25,6 +25,8 @@ import yaml
 from models import kinds as layer_kinds
 from models.activations import ACTIVATIONS
 from models.moe_spec import MoESpec, validate_moe   # the `moe:` section (re-exported here)
+from models import hyper_connections   # the `hyper_connections:` section (mHC)
+from models.hyper_connections import HyperConnectionSpec
 
 # A spec's `dtype` name -> the torch dtype the builder and the engine use.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -170,6 +172,7 @@ DEFAULT_WEIGHT_NAMES = {
     "pre_ffn_norm": "pre_feedforward_layernorm.weight",
     "post_ffn_norm": "post_feedforward_layernorm.weight",
     **layer_kinds.weight_names(),
+    **hyper_connections.WEIGHT_NAMES,
     "gate": "mlp.gate_proj",
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
@@ -177,6 +180,8 @@ DEFAULT_WEIGHT_NAMES = {
     # the others are relative to it. The `moe:` section's `style` may preset them (granite).
     "moe": "mlp",
     "moe_router": "gate",                 # {router}.weight, .bias, .e_score_correction_bias
+    "moe_router_selection_bias": "e_score_correction_bias",   # {router}.{this}: the selection bias
+    "moe_router_table": "tid2eid",        # {router}.{this}: a hash router's token id -> experts table
     "moe_experts": "experts",
     "moe_expert_gate": "gate_proj",       # per_expert layout: {experts}.{e}.{name}.weight (and .bias)
     "moe_expert_up": "up_proj",
@@ -225,6 +230,7 @@ class ModelSpec:
     embedding_multiplier: float = 1.0    # Gemma: sqrt(hidden_size)
     residual_multiplier: float = 1.0     # Granite: x + sublayer(x) * m
     residual: ResidualSpec | None = None  # MiniMax: x = alpha * norm(x) + beta * sublayer(norm(x))
+    hyper_connections: HyperConnectionSpec | None = None   # DeepSeek-V4: n residual streams (mHC)
     logits_scaling: float = 1.0          # Granite: logits / s
     tie_word_embeddings: bool = False
     dtype: str = "float32"
@@ -395,6 +401,17 @@ def _validate(spec: ModelSpec, fail) -> None:
             fail("norm.sandwich", f"sandwich norms need a mixer and a feed-forward block in every layer (layer {i})")
     if spec.residual is not None:
         _validate_residual(spec, used_entries=set(spec.layer_kinds), fail=fail)
+    if spec.hyper_connections is not None:
+        hyper_connections.validate(spec.hyper_connections, fail)
+        for key, clash in (("residual", spec.residual is not None), ("norm.sandwich", spec.norm.sandwich),
+                           ("layers.norm_position", spec.layers.norm_position is not None),
+                           ("residual_multiplier", spec.residual_multiplier != 1.0)):
+            if clash:
+                fail(key, "does not combine with hyper_connections (the streams replace the residual)")
+        for i in range(spec.num_layers):
+            if not spec.layer_mixers(i) or spec.ffn_kind(i) == "none":
+                fail(kinds_field, f"hyper_connections need a token mixer and a feed-forward block in every "
+                                  f"layer (layer {i})")
     choices = [("mlp.activation", spec.mlp.activation, ACTIVATIONS),
                ("dtype", spec.dtype, DTYPES),
                ("quantization.method", spec.quantization.method, QUANT_METHODS),

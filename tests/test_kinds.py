@@ -36,7 +36,7 @@ def test_entries_match_the_schema():
         assert kind.attr in ("self_attn", "mixer")
         assert set(kind.weight_names) <= set(DEFAULT_WEIGHT_NAMES)
     assert [k.section for k in sections()] == ["mamba2", "gated_deltanet", "short_conv", "kda", "mla",
-                                               "lightning_attention"]
+                                               "lightning_attention", "compressed_attention"]
     # the owned sections sit where they always did, so spec_to_dict and YAML keep their order
     assert fields.index("rope_local") + 1 == fields.index("mamba2")
     aliases = [t for k in KINDS.values() for t in k.hf_layer_types]

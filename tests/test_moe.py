@@ -302,7 +302,7 @@ def _spec(moe: dict, **top):
 
 
 @pytest.mark.parametrize("moe,top,match", [
-    ({"scoring": "softmx"}, {}, r"^zoo/t.yaml: moe.scoring: 'softmx' is not one of softmax, sigmoid, topk_softmax$"),
+    ({"scoring": "softmx"}, {}, r"^zoo/t.yaml: moe.scoring: 'softmx' is not one of softmax, sigmoid, topk_softmax, sqrtsoftplus$"),
     ({"scorng": "sigmoid"}, {}, r"^zoo/t.yaml: moe.scorng: unknown field \(did you mean 'scoring'\?\)$"),
     ({"expert_layout": "fused_t"}, {}, r"^zoo/t.yaml: moe.expert_layout: 'fused_t' is not one of"),
     ({"activation": "swish2"}, {}, r"^zoo/t.yaml: moe.activation: 'swish2' is not one of"),

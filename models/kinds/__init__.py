@@ -7,7 +7,7 @@ hook, gathered in one `LayerKind`, or `state_kind(...)` for a state layer) and o
 """
 from __future__ import annotations
 
-from models.kinds import attention, gated_deltanet, kda, lightning_attention, mamba2, mla, short_conv
+from models.kinds import attention, gated_deltanet, kda, lightning_attention, mamba2, mla, short_conv, swa_shared_kv
 from models.kinds.base import Fail, LayerKind, Sources, linear_sources, state_kind
 
 KINDS: dict[str, LayerKind] = {k.name: k for k in (
@@ -20,12 +20,19 @@ KINDS: dict[str, LayerKind] = {k.name: k for k in (
     kda.KIND,
     mla.KIND,
     lightning_attention.KIND,
+    swa_shared_kv.KIND,
 )}
 
 
 def sections() -> list[LayerKind]:
-    """The kinds that own a section, in registry order (one optional spec field each)."""
-    return [k for k in KINDS.values() if k.section_spec is not None]
+    """The kinds that own a section, in registry order, one per section (kinds may share
+    theirs: DeepSeek-V4's attention kinds all read `compressed_attention:`); each section is
+    one optional spec field."""
+    seen: dict[str, LayerKind] = {}
+    for k in KINDS.values():
+        if k.section_spec is not None:
+            seen.setdefault(k.section, k)
+    return list(seen.values())
 
 
 def weight_names() -> dict[str, str]:
