@@ -5,9 +5,10 @@
 Heads of the bench models' shapes with random weights (tiny Llama 32000 x 256, SmolLM2
 49152 x 576; trained heads give the screen as few candidates, see the .cpp header), x of
 random rows. Each path runs on the same x, interleaved rep by rep (the machine is shared and
-noisy); medians in ms and each path's time over the screen's. Every path's tokens are checked
+noisy); medians in ms and each path's time over the first (best) screen's. Every path's tokens are checked
 against `linear_argmax`'s before timing.
-- screened: `screened_argmax` (bf16 AMX screen, fp32 decision; needs AMX);
+- screened-<isa>: `screened_argmax` (bf16 screen, fp32 decision) on every screen instruction
+  set this CPU has (`lm_head.usable_screen_isas`: amx, avx512_bf16, avx2);
 - fused: `linear_argmax` (fp32, tokens as vector lanes, no logits);
 - panels: the head's panel product (`panel_linear`) + `argmax`;
 - F.linear: MKL sgemm on the row-major weight + `argmax`.
@@ -23,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build, gemm, lm_head
+from kernels import cpu_build, cpu_features, gemm, lm_head
 
 HEADS = {"tiny": (32000, 256), "smollm2": (49152, 576)}
 
@@ -38,13 +39,15 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_build.available():
         raise SystemExit("the C++ CPU kernels are not available here")
     torch.set_num_threads(args.threads)
-    amx = cpu_build.amx_available()
-    print(f"threads {torch.get_num_threads()}, AMX {'yes' if amx else 'no (screened path skipped)'}")
+    isas = lm_head.usable_screen_isas()
+    print(f"threads {torch.get_num_threads()}, screens: {', '.join(isas) or 'none (screened paths skipped)'}")
+    print(cpu_features.describe())
     g = torch.Generator().manual_seed(0)
     for head in args.heads.split(","):
         n, k = HEADS[head]
         w = torch.randn(n, k, generator=g) * 0.05
-        panels, screen = gemm.pack_panels(w), lm_head.make_screen(w) if amx else None
+        panels = gemm.pack_panels(w)
+        screens = {isa: lm_head.make_screen(w, isa) for isa in isas}
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, k, generator=g)
             paths = {
@@ -52,13 +55,13 @@ def main(argv: list[str] | None = None) -> int:
                 "panels": lambda: gemm.panel_linear(x, panels, n, None).argmax(-1),
                 "F.linear": lambda: F.linear(x, w).argmax(-1),
             }
-            if screen is not None:
-                paths = {"screened": lambda: lm_head.screened_argmax(x, panels, n, screen), **paths}
+            paths = {**{f"screened-{isa}": (lambda s=s: lm_head.screened_argmax(x, panels, n, s))
+                        for isa, s in screens.items() if s is not None}, **paths}
             want = paths["fused"]()
             for name, f in paths.items():
                 got = f()
                 # panels / F.linear sum in another order: a near-tie may flip, within rounding
-                assert name not in ("screened", "fused") or torch.equal(got, want), name
+                assert not name.startswith(("screened", "fused")) or torch.equal(got, want), name
             times: dict[str, list[float]] = {name: [] for name in paths}
             for _ in range(args.reps):
                 for name, f in paths.items():
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                     f()
                     times[name].append(time.perf_counter() - t0)
             med = {name: statistics.median(v) * 1e3 for name, v in times.items()}
-            base = med.get("screened", med["fused"])
+            base = next(iter(med.values()))
             cells = "  ".join(f"{name} {ms:7.3f} ms ({ms / base:4.2f}x)" for name, ms in med.items())
             print(f"{head:>8} {n}x{k}, {rows:4d} rows: {cells}")
     return 0

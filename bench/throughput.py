@@ -55,6 +55,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from kernels import cpu_features  # noqa: E402
+
 TINY_LLAMA = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -273,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     n_prompt = sum(map(len, prompts))
     n_out = args.requests * args.new_tokens
     print(f"model {label} ({hf_dir}), fp32, threads {torch.get_num_threads()}")
+    print(cpu_features.describe())
     print(f"workload: {args.requests} requests, prompt {args.min_prompt}-{args.max_prompt} tokens "
           f"({n_prompt} total), {args.new_tokens} new tokens each ({n_out} total), seed {args.seed}")
     print(f"engines: {', '.join(engines_wanted)}", flush=True)
@@ -380,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fp32 torch.mm at {torch.get_num_threads()} thread(s), GFLOP/s: {shapes}; peak {gemm['peak_gflops']:.0f}")
     print(f"load average: start {load_start[0]:.2f} {load_start[1]:.2f} {load_start[2]:.2f}, "
           f"end {load_end[0]:.2f} {load_end[1]:.2f} {load_end[2]:.2f} ({os.cpu_count()} cpus)")
+    print(cpu_features.describe())
 
     profile_text = None
     ours = next((e for e in engines if e.name == "ours"), None)
@@ -395,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
                                "seed": args.seed, "prompt_tokens": n_prompt, "output_tokens": n_out},
                   "hf_batch": args.hf_batch, "rounds": args.rounds, "engines": rows, "reference": ref_name,
                   "flops": flops, "gemm": gemm, "loadavg_start": load_start, "loadavg_end": load_end,
-                  "torch": torch.__version__}
+                  "torch": torch.__version__, **cpu_features.summary()}
         Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json_out}")
     return 0

@@ -97,6 +97,10 @@ class BlockPool:
         # free queue, until the queue hands them out again (lazy LRU eviction).
         self.cached: dict[tuple[int, bytes], KVCacheBlock] = {}
         self.num_evictions = 0
+        # Called with each cached block about to be evicted, while it still holds its hash and
+        # contents (the KV tiers write it back: cache/tiers/coordinator.py).
+        self.on_evict = None
+        self.on_cache = None     # called with each newly published block (tiers' write-through)
 
     @property
     def num_usable_blocks(self) -> int:
@@ -116,6 +120,8 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
             if block.block_hash is not None:   # evicted: its old contents are gone
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 del self.cached[block.block_hash]
                 block.block_hash = None
                 self.num_evictions += 1
@@ -132,6 +138,8 @@ class BlockPool:
         if block.block_hash is None and key not in self.cached:
             block.block_hash = key
             self.cached[key] = block
+            if self.on_cache is not None:
+                self.on_cache(block)
 
     def touch(self, blocks) -> None:
         """Take a reference on cache hits; a block at ref_cnt 0 leaves the free queue."""

@@ -27,6 +27,12 @@ class KVCacheSpec:
         """Logical blocks a request of `num_tokens` tokens spans."""
         return -(-num_tokens // self.block_size)
 
+    @property
+    def tokens_per_block(self) -> int:
+        """Tokens of context one allocated block covers (more than `block_size` where only
+        some blocks are allocated: compressed entries with a rate above the block size)."""
+        return self.block_size
+
     def max_live_blocks(self, num_tokens: int, chunk_tokens: int | None = None) -> int:
         """Blocks a request of `num_tokens` tokens holds at most at once, when it computes
         at most `chunk_tokens` tokens per step (None: all at once)."""
@@ -193,3 +199,73 @@ class MLASpec(KVCacheSpec):
     def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
         """The layer's view of its pool buffer: `[num_blocks, block_size, latent | k_pe]`."""
         return (num_blocks, self.block_size, self.entry_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class SlidingRowsSpec(SlidingWindowSpec):
+    """One `[head_dim]` row per token kept for the last `sliding_window` positions, K only
+    (DeepSeek-V4's shared K=V sliding branch, MQA: the key row is also the value), or the
+    per-token source rows of a compressor (`compress_rate` > 0: DeepSeek-V4's projected
+    kv | gate rows, the unclosed-window buffer). Retention is the sliding window's: a window
+    of 2m (overlapping CSA windows, `overlap`) or m (HCA) source rows is exactly what any
+    window still to close can read, so a prefix hit at a block boundary restores the buffer
+    from cached blocks with no per-request state. `num_kv_heads` is 1."""
+    compress_rate: int = 0          # > 0: compressor source rows for windows of this many tokens
+    overlap: bool = False           # CSA: entry w pools windows w-1 (Ca half) and w (Cb half)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.head_dim * self.dtype.itemsize
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        """`[num_blocks, block_size, head_dim]`: token-major rows."""
+        return (num_blocks, self.block_size, self.head_dim)
+
+
+@dataclass(frozen=True, slots=True)
+class CompressedEntrySpec(KVCacheSpec):
+    """Compressed KV entries (DeepSeek-V4 CSA / HCA, or their indexer keys), in token
+    coordinates: entry w is closed when token (w+1)*m - 1 is computed and lives in the block
+    of that token, `((w+1)*m - 1) // block_size`, at slot `w % entries_per_page`. A page holds
+    `max(1, block_size // m)` entries of `entry_dim`. With m > block_size only every
+    (m / block_size)-th block holds an entry; the blocks in between are never allocated (null
+    in the table) and count as present for prefix hits, so an entry costs its own bytes only
+    (HCA m' = 128: entry bytes / 128 per token). Every entry block is kept (like full
+    attention): queries attend to (or select among) all earlier entries."""
+    compress_rate: int = 4
+    entry_dim: int = 0
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def entries_per_page(self) -> int:
+        return max(1, self.block_size // self.compress_rate)
+
+    @property
+    def block_stride(self) -> int:
+        """Every `block_stride`-th block (the last of each run) holds entries."""
+        return max(1, self.compress_rate // self.block_size)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.entries_per_page * self.entry_dim * self.dtype.itemsize
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, int, int]:
+        """`[num_blocks, entries_per_page, entry_dim]`."""
+        return (num_blocks, self.entries_per_page, self.entry_dim)
+
+    def holds_entries(self, block_index):
+        """Whether logical block `block_index` (int or numpy array) holds entries."""
+        return (block_index + 1) % self.block_stride == 0
+
+    def max_blocks_for(self, num_tokens: int) -> int:
+        """Real (non-null) blocks `num_tokens` tokens need."""
+        return -(-num_tokens // self.block_size) // self.block_stride
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.block_size * self.block_stride
+
+    def check(self) -> None:
+        m, bs = self.compress_rate, self.block_size
+        if m <= 0 or (bs % m and m % bs):
+            raise ValueError(f"compress rate {m} must divide the block size {bs} or be a multiple of it")

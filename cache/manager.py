@@ -10,7 +10,8 @@ can see, state layers one fixed set of pages per request (plus checkpoint copies
 from __future__ import annotations
 
 from cache.block_pool import BlockPool, KVCacheBlock
-from cache.kv_cache_spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLASpec, SlidingWindowSpec, StateSpec
+from cache.kv_cache_spec import (CompressedEntrySpec, FullAttentionSpec, KVCacheConfig, KVCacheSpec, MLASpec,
+                                 SlidingWindowSpec, StateSpec)
 
 
 class SingleTypeKVCacheManager:
@@ -70,9 +71,10 @@ class SingleTypeKVCacheManager:
 
     # ------------------------------------------------------------- forks
     def num_fork_blocks(self, parent_id: str, num_tokens: int) -> int:
-        """New blocks a fork at `num_tokens` needs: the partial last block, if any."""
-        return int(num_tokens % self.spec.block_size != 0
-                   and len(self.req_to_blocks.get(parent_id, ())) > num_tokens // self.spec.block_size)
+        """New blocks a fork at `num_tokens` needs: the partial last block, if any (a null
+        one, which holds nothing, is not copied)."""
+        blocks, full = self.req_to_blocks.get(parent_id, ()), num_tokens // self.spec.block_size
+        return int(num_tokens % self.spec.block_size != 0 and len(blocks) > full and not blocks[full].is_null)
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> list[tuple[KVCacheBlock, KVCacheBlock]]:
         """Start `child_id` with the parent's cache for its first `num_tokens` tokens.
@@ -87,7 +89,9 @@ class SingleTypeKVCacheManager:
         child = list(blocks[:full])
         self.pool.touch(b for b in child if not b.is_null)
         copies = []
-        if len(blocks) > full:
+        if len(blocks) > full and blocks[full].is_null:
+            child.append(blocks[full])
+        elif len(blocks) > full:
             dst = self.pool.get_new_blocks(1)[0]
             copies.append((blocks[full], dst))
             child.append(dst)
@@ -137,6 +141,41 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             blocks[i] = self.pool.null_block
         if freed:
             self.pool.free_blocks(freed)
+
+
+class CompressedEntryManager(SingleTypeKVCacheManager):
+    """Compressed entries (`CompressedEntrySpec`): entry w lives in the block of the token
+    that closes it, so the table stays in token coordinates. With a compress rate above the
+    block size only every `block_stride`-th block holds entries; the others are the null
+    block from the start, need no hash to count as a prefix hit (they hold nothing) and are
+    never copied on a fork. All entry blocks are kept while the request runs."""
+
+    def _new_slots(self, held: int, num_tokens: int) -> range:
+        return range(held, -(-num_tokens // self.spec.block_size))
+
+    def find_hit_blocks(self, hashes: list[bytes]) -> int:
+        for j, h in enumerate(hashes):
+            if self.spec.holds_entries(j) and self.pool.get_cached_block(self.group_id, h) is None:
+                return j
+        return len(hashes)
+
+    def needed_hit_range(self, num_blocks: int) -> range:
+        stride = self.spec.block_stride
+        return range(stride - 1, num_blocks, stride)
+
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int) -> int:
+        held = len(self.req_to_blocks.get(request_id, ()))
+        return sum(1 for j in self._new_slots(held, num_tokens) if self.spec.holds_entries(j))
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """The new table slots in order, null ones included: the runner appends them to the
+        request's row, which must stay positional."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        holds = [self.spec.holds_entries(j) for j in self._new_slots(len(blocks), num_tokens)]
+        new = iter(self.pool.get_new_blocks(sum(holds)))
+        added = [next(new) if h else self.pool.null_block for h in holds]
+        blocks.extend(added)
+        return added
 
 
 class StateManager(SingleTypeKVCacheManager):
@@ -234,7 +273,8 @@ class StateManager(SingleTypeKVCacheManager):
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     MLASpec: FullAttentionManager,        # the latent of every token, all blocks kept
-    SlidingWindowSpec: SlidingWindowManager,
+    SlidingWindowSpec: SlidingWindowManager,   # and SlidingRowsSpec (K=V rows, compressor source rows)
+    CompressedEntrySpec: CompressedEntryManager,
     StateSpec: StateManager,
 }
 
@@ -273,6 +313,7 @@ class KVCacheManager:
         # there, so the next prompt that shares this prefix hits all of it.
         self.branch_points: dict[str, int] = {}
         self.num_fork_copies = 0            # pages copied for forks (cumulative)
+        self.on_free = None                 # KV tiers: called with each freed request id
 
     # ------------------------------------------------------------- prefix caching
     def reuse_prefix(self, request_id: str, hashes: list[bytes], num_tokens: int) -> int:
@@ -408,6 +449,8 @@ class KVCacheManager:
         return sum(m.num_blocks_to_allocate(request_id, num_tokens) for m in self.managers)
 
     def free(self, request_id: str) -> None:
+        if self.on_free is not None:
+            self.on_free(request_id)
         self.branch_points.pop(request_id, None)
         # A fork freed before its copies ran: drop them (their destination pages go back to
         # the pool) and unpin their sources.

@@ -122,9 +122,10 @@ def padding_fraction(config: KVCacheConfig, num_tokens: int, chunk_tokens: int |
 
 def pool_bytes_per_token(config: KVCacheConfig) -> float:
     """Pool bytes one token of context takes in all KV (non-state) groups, whole blocks: what
-    each block of 16 tokens costs across the groups, over 16."""
+    each group's block costs over the tokens it covers (16; more for groups that allocate
+    only some blocks, `tokens_per_block`)."""
     kv = [g for g in config.groups if not isinstance(g.spec, StateSpec)]
-    return len(kv) * config.bytes_per_block / config.block_size
+    return sum(config.bytes_per_block / g.spec.tokens_per_block for g in kv)
 
 
 __all__ = ["MAX_PAGE_MULTIPLE", "PoolLayout", "check_layout", "group_layers", "padding_fraction",

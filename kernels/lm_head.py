@@ -3,9 +3,11 @@
 - `linear_argmax` (kernels/cpu/linear_argmax.cpp): `(x @ W.T).argmax(-1)` from the head's
   panels (`gemm.pack_panels`) without writing the logits: the product is computed with the
   tokens as vector lanes, so the argmax is a per-lane compare on each finished tile.
-- `screened_argmax` (kernels/cpu/screened_argmax.cpp, needs AMX): the same tokens, screened
-  on a bf16 copy of the head in AMX tiles (`Bf16Screen`, `make_screen`) and decided in fp32
-  among the rows the screen's rigorous error bound cannot rule out.
+- `screened_argmax`: the same tokens, screened on a bf16 copy of the head (`Bf16Screen`,
+  `make_screen`) and decided in fp32 among the rows the screen's rigorous error bound cannot
+  rule out. The screen pass runs on the best instruction set the CPU has (`usable_screen_isas`):
+  AMX tiles (kernels/cpu/screened_argmax.cpp), else AVX-512 BF16 (VDPBF16PS) or AVX2 + FMA
+  (kernels/cpu/screened_lanes.cpp); each needs its own layout of the bf16 copy.
 - `argmax_rows` (kernels/cpu/argmax_rows.cpp): `logits.argmax(-1)` in one vectorised pass
   per row (torch's CPU argmax over the last dim is a scalar loop).
 All three return exactly torch.argmax's index: the first maximum, NaN counting as the maximum.
@@ -18,6 +20,7 @@ runner asks it for an all-greedy step's tokens, the sampler for the argmax of it
 from __future__ import annotations
 
 import math
+import os
 import sys
 from dataclasses import dataclass
 
@@ -30,11 +33,19 @@ from kernels import cpu_build, elementwise
 # logits); fewer rows leave most of its 16-token vector lanes empty, and the product is a
 # weight stream where the panel GEMM is as fast.
 GREEDY_ROWS = range(24, sys.maxsize)
-# Row counts for which a head with a bf16 screen (AMX) takes `screened_argmax` instead: it
-# reads half the bytes and multiplies on AMX, so it wins at every row count measured.
+# Row counts for which a head with a bf16 screen takes `screened_argmax` instead, per screen
+# instruction set (`python -m bench.greedy_head`): AMX reads half the bytes and multiplies
+# several times faster, so it wins at every row count measured; so does VDPBF16PS (half the
+# bytes, twice the fp32 FMA rate); the AVX2 screen computes at the fp32 rate, so it wins only
+# where reading half the bytes matters, at few rows. A row count must be in both
+# `SCREENED_ROWS` (the switch for every set: tests empty it to turn the screen off) and its set's range.
 SCREENED_ROWS = range(1, sys.maxsize)
+SCREENED_ROWS_BY_ISA = {"amx": SCREENED_ROWS, "avx512_bf16": SCREENED_ROWS, "avx2": range(1, 24)}
+SCREEN_ISAS = ("amx", "avx512_bf16", "avx2")   # preference order
+SCREEN_ISA_ENV = "ZOOINFER_SCREEN_ISA"           # force one ("amx", "avx512_bf16", "avx2") or "none"
 
 VT, KT = 16, 32             # AMX bf16 A tile: 16 rows x 32 k (screened_argmax.cpp)
+RV = 4                      # vocab tiles per register block of the lane screens (screened_lanes.cpp)
 
 
 def linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
@@ -46,13 +57,39 @@ def linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor
 
 @dataclass(frozen=True, slots=True)
 class Bf16Screen:
-    """The LM head in bf16 AMX tiles for `screened_argmax`, with the largest row norms of W,
-    of its bf16 rounding W^ and of W - W^ (float64, from the actual rounding): they bound how
-    far a bf16 logit can be from the fp32 one, which decides which rows stay candidates."""
-    tiles: torch.Tensor     # bf16 [NT, KS, 16, 32], NT = 2 * ceil(N / 32), KS = ceil(K / 32)
+    """The LM head in bf16 for `screened_argmax`, laid out for the screen's instruction set
+    `isa`, with the largest row norms of W, of its bf16 rounding W^ and of W - W^ (float64,
+    from the actual rounding): they bound how far a bf16 logit can be from the fp32 one, which
+    decides which rows stay candidates."""
+    tiles: torch.Tensor     # "amx": `pack_bf16_tiles`; "avx512_bf16" / "avx2": `pack_bf16_pairs`
     w_norm: float
     wb_norm: float
     dw_norm: float
+    isa: str = "amx"
+
+
+def usable_screen_isas() -> list[str]:
+    """The screen instruction sets this CPU can run, best first (AMX, AVX-512 BF16, AVX2):
+    measured at run time (CPUID, and for AMX the kernel's permission); [] without the kernel
+    library."""
+    if not cpu_build.available():
+        return []
+    return (["amx"] if cpu_build.amx_available() else []) + list(torch.ops.zooinfer_cpu.lane_screen_isas())
+
+
+def screen_isa() -> str | None:
+    """The instruction set a new screen uses: the best usable one, or the one
+    `ZOOINFER_SCREEN_ISA` names ("none": no screen); None where none applies. A forced value
+    this CPU cannot run is an error naming the variable."""
+    have = usable_screen_isas()
+    forced = os.environ.get(SCREEN_ISA_ENV, "").strip().lower()
+    if not forced:
+        return have[0] if have else None
+    if forced == "none":
+        return None
+    if forced not in have:
+        raise ValueError(f"{SCREEN_ISA_ENV}={forced!r} is not usable on this CPU (usable: {', '.join(have) or 'none'})")
+    return forced
 
 
 def pack_bf16_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -66,9 +103,26 @@ def pack_bf16_tiles(w: torch.Tensor) -> torch.Tensor:
     return tiles.view(nt, VT, ks, KT).transpose(1, 2).contiguous()
 
 
-def make_screen(w: torch.Tensor, chunk_rows: int = 4096) -> Bf16Screen | None:
-    """The bf16 screen of a contiguous fp32 CPU head weight, or None (other weights, or
-    non-finite entries: no error bound then)."""
+def pack_bf16_pairs(w: torch.Tensor) -> torch.Tensor:
+    """`w [N, K]` rounded to bf16 with vocab rows as vector lanes, `[NT, KP, 32]`: tile t, k
+    pair p holds (w[16t + r, 2p], w[16t + r, 2p + 1]) for r = 0..15, zero-padded past N, to
+    NT a multiple of RV tiles, and to 2 * KP columns."""
+    n, k = w.shape
+    nt, kp = RV * -(-n // (RV * VT)), -(-k // 2)
+    pairs = torch.zeros(nt * VT, kp * 2, dtype=torch.bfloat16)
+    with torch.no_grad():
+        pairs[:n, :k] = w
+    return pairs.view(nt, VT, kp, 2).transpose(1, 2).reshape(nt, kp, 2 * VT).contiguous()
+
+
+def make_screen(w: torch.Tensor, isa: str | None = None, chunk_rows: int = 4096) -> Bf16Screen | None:
+    """The bf16 screen of a contiguous fp32 CPU head weight for `isa` (default `screen_isa()`),
+    or None (no usable instruction set, other weights, or non-finite entries: no error bound)."""
+    isa = screen_isa() if isa is None else isa
+    if isa is None:
+        return None
+    if isa not in SCREEN_ISAS:
+        raise ValueError(f"make_screen: isa must be one of {', '.join(SCREEN_ISAS)}, got {isa!r}")
     if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2 or w.numel() == 0:
         return None
     norms = [0.0, 0.0, 0.0]
@@ -80,14 +134,17 @@ def make_screen(w: torch.Tensor, chunk_rows: int = 4096) -> Bf16Screen | None:
                 norms[i] = max(norms[i], float(t.norm(dim=1).max()))
     if not all(math.isfinite(v) for v in norms):
         return None
-    return Bf16Screen(pack_bf16_tiles(w), *norms)
+    return Bf16Screen(pack_bf16_tiles(w) if isa == "amx" else pack_bf16_pairs(w), *norms, isa=isa)
 
 
 def screened_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, screen: Bf16Screen) -> torch.Tensor:
     """The same tokens as `linear_argmax(x, panels, n)`, screened on the head's bf16 copy
     (`screen`) and decided in fp32 among the rows the screen cannot rule out. Returns int64 [M]."""
-    return torch.ops.zooinfer_cpu.screened_argmax(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
-                                                  screen.dw_norm)
+    if screen.isa == "amx":
+        return torch.ops.zooinfer_cpu.screened_argmax(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
+                                                      screen.dw_norm)
+    return torch.ops.zooinfer_cpu.screened_argmax_lanes(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
+                                                        screen.dw_norm, screen.isa)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +187,7 @@ class GreedyHead:
     products do not have) and the fused kernels apply to the hidden states (eager, fp32 CPU,
     no grad, library built: `elementwise.use_kernel`), `tokens` skips the logits:
     `screened_argmax` when the head also carries a bf16 `screen` and the row count is in
-    `SCREENED_ROWS`, else `linear_argmax` in `GREEDY_ROWS`. Otherwise the logits are computed
+    `SCREENED_ROWS` and in `SCREENED_ROWS_BY_ISA[screen.isa]`, else `linear_argmax` in `GREEDY_ROWS`. Otherwise the logits are computed
     and `argmax` takes their argmax. Every path gives `compute_logits(hidden).argmax(-1)` exactly.
     """
 
@@ -148,7 +205,8 @@ class GreedyHead:
                 or not elementwise.use_kernel(hidden)):
             return "logits"
         rows = hidden.shape[0]
-        if getattr(head, "screen", None) is not None and rows in SCREENED_ROWS:
+        screen = getattr(head, "screen", None)
+        if screen is not None and rows in SCREENED_ROWS and rows in SCREENED_ROWS_BY_ISA[screen.isa]:
             return "screened_argmax"
         return "linear_argmax" if rows in GREEDY_ROWS else "logits"
 

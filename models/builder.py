@@ -29,9 +29,9 @@ class CausalLM(nn.Module):
         local = rotary if spec.rope_local is None else \
             RotaryEmbedding(spec.attention.head_dim, spec.rope_local, spec.max_model_len)
         mixers: list[list] = [[] for _ in range(spec.num_layers)]
-        for cache_id, (i, name) in enumerate(spec.cache_layers()):
+        for i, name, cache_ids in spec.mixer_caches():
             kind = KINDS[name]
-            mixers[i].append((kind, cache_id, local if kind.local_rope else rotary))
+            mixers[i].append((kind, cache_ids.start, local if kind.local_rope else rotary))
         # With hyper-connections (mHC) the residual is `streams` parallel streams, collapsed by
         # hc_head before the final norm; otherwise one stream, added inside the next norm.
         hc = spec.hyper_connections
@@ -74,14 +74,19 @@ class CausalLM(nn.Module):
         return GreedyHead(self.lm_head, self.spec.logits_scaling)
 
     def mixers(self):
-        """(cache id, kind, mixer module) of every token mixer, in cache-id order."""
-        for cache_id, (i, name) in enumerate(self.spec.cache_layers()):
+        """(first cache id, kind, mixer module) of every token mixer, in cache-id order."""
+        for i, name, cache_ids in self.spec.mixer_caches():
             kind = KINDS[name]
-            yield cache_id, kind, getattr(self.layers[i], kind.attr)
+            yield cache_ids.start, kind, getattr(self.layers[i], kind.attr)
 
     def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> dict[int, KVCacheSpec]:
-        """What cache each token mixer needs, by cache id (its kind's `cache_spec`)."""
-        return {cid: kind.cache_spec(self.spec, mixer, block_size, dtype) for cid, kind, mixer in self.mixers()}
+        """What cache each token mixer needs, by cache id (its kind's `cache_spec`; one spec
+        per cache for a kind whose mixer owns several)."""
+        specs: dict[int, KVCacheSpec] = {}
+        for cid, kind, mixer in self.mixers():
+            spec = kind.cache_spec(self.spec, mixer, block_size, dtype)
+            specs.update(zip(range(cid, cid + kind.num_caches), spec) if kind.num_caches > 1 else [(cid, spec)])
+        return specs
 
     def state_mixers(self) -> dict[int, nn.Module]:
         """State-layer mixers by cache id: `zooinfer::state_update` finds its module here."""
@@ -134,11 +139,13 @@ class CausalLM(nn.Module):
         return src
 
 
-def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> CausalLM:
-    """Instantiate the module tree on `device` in the spec's dtype (weights uninitialised)."""
+def build_model(spec: ModelSpec, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                cls: type[CausalLM] = CausalLM) -> CausalLM:
+    """Instantiate the module tree on `device` in the spec's dtype (weights uninitialised);
+    `cls`: a CausalLM subclass (models/parallel.py's tensor-parallel shard)."""
     dtype = dtype or DTYPES[spec.dtype]
     with torch.device("meta"):
-        model = CausalLM(spec)
+        model = cls(spec)
     model = model.to_empty(device=device)
     # Rotary tables are computed in float32 and must survive to_empty(): rebuild them.
     for module in model.modules():

@@ -309,11 +309,11 @@ class DecoderLayer(nn.Module):
         n = spec.norm
         self.layer_id = layer_id
         self.self_attn = self.mixer = None     # the runtime finds state layers by `mixer`
-        self._mixers = []                       # (attribute, kind forward, cache id)
+        self._mixers = []                       # (attribute, kind forward, first cache id, caches)
         for kind, cache_id, rotary in mixers:
             setattr(self, kind.attr, kind.make_mixer(spec, cache_id, rotary))
-            self._mixers.append((kind.attr, kind.forward, cache_id))
-        self.cache_ids = [c for _, _, c in self._mixers]
+            self._mixers.append((kind.attr, kind.forward, cache_id, kind.num_caches))
+        self.cache_ids = [c + k for _, _, c, n in self._mixers for k in range(n)]
         ffn = spec.ffn_kind(layer_id)
         if ffn == "moe":
             from models.moe import make_moe
@@ -337,8 +337,10 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, n.eps, n.offset)
 
     def _mix(self, positions, h, caches):
-        out = None
-        for (attr, forward, cache_id), cache in zip(self._mixers, caches):
+        out, at = None, 0
+        for attr, forward, cache_id, n in self._mixers:     # a mixer of several caches gets a list
+            cache = caches[at] if n == 1 else caches[at: at + n]
+            at += n
             y = forward(getattr(self, attr), cache_id, positions, h, cache)
             out = y if out is None else out + y
         return out

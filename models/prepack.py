@@ -31,9 +31,10 @@ weight by key.
 
 The LM head gets panels whatever the model's kind (when the kernel library is built), so
 greedy steps can take their tokens straight from them without logits (`linear_argmax`;
-`kernels.lm_head.GreedyHead` decides when). Where AMX is usable (`cpu_build.amx_available()`)
-the head also gets a bf16 copy in AMX tiles (`lm_head.make_screen`, checked here against
-`linear_argmax`) for `screened_argmax`; it costs half the head's fp32 bytes more.
+`kernels.lm_head.GreedyHead` decides when). Where a screen instruction set is usable
+(`lm_head.screen_isa()`: AMX, AVX-512 BF16 or AVX2) the head also gets a bf16 copy laid out for
+it (`lm_head.make_screen`, checked here against `linear_argmax`) for `screened_argmax`; it costs
+half the head's fp32 bytes more.
 
 Memory: the packed copy is as large as the weight (panels: plus the padding of N to a multiple
 of 32; MKL: the allocation is larger but its tail is never touched), and the original stays
@@ -203,7 +204,8 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
     The linear named `head` on `model` itself gets panels whatever the kind, when the kernel
     library is built: greedy steps take their tokens from those panels without logits
     (`linear_argmax`), and the head is the largest weight, streamed every step, where panels
-    lose little to MKL even in cache; with AMX it also gets a bf16 screen (`make_screen`).
+    lose little to MKL even in cache; where the CPU has a screen instruction set (AMX, AVX-512 BF16, AVX2) it also gets a bf16
+    screen (`make_screen`).
     A no-op (0) when neither the library nor MKL exists."""
     if not supported():
         return 0
@@ -225,7 +227,7 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
                 failed.append(name)
             continue
         linear = PackedLinear(child, *p)
-        if is_head and cpu_build.amx_available():
+        if is_head and lm_head.screen_isa() is not None:
             linear.screen = _checked_screen(child.weight.detach(), linear.packed)
         setattr(parent, name, linear)
         packed += 1

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from attention.compressed import rope_tail     # the compressed layers' op ropes its entries alike
 from models.kinds.base import Fail, Sources, linear_sources
 from models.layers import RMSNorm, RotaryEmbedding
 
@@ -60,16 +61,6 @@ WEIGHT_NAMES = {
     "skv_o_b": "attn.wo_b",
     "skv_sinks": "attn.attn_sink",
 }
-
-
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the last 2 * cos.shape[-1] dims of x in interleaved pairs (x0, x1), (x2, x3), ...;
-    cos / sin broadcast against x[..., :r/2] (e.g. [T, 1, r/2] for [T, heads, d])."""
-    r = 2 * cos.shape[-1]
-    nope, rot = x[..., :-r], x[..., -r:].float()
-    x1, x2 = rot[..., 0::2], rot[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return torch.cat((nope, out.to(x.dtype)), dim=-1)
 
 
 class SharedKVAttention(nn.Module):

@@ -262,8 +262,19 @@ class ModelSpec:
     def cache_layers(self) -> list[tuple[int, str]]:
         """(layer, kind) of every token mixer in model order: the index in this list is the
         mixer's cache id, which names its KV cache / state in the pool, its attention plan
-        and its state op (a layer with no mixer has none; a parallel layer has several)."""
-        return [(i, kind) for i in range(self.num_layers) for kind in self.layer_mixers(i)]
+        and its state op (a layer with no mixer has none; a parallel layer has several; a
+        mixer whose kind owns several caches, `LayerKind.num_caches`, takes that many ids)."""
+        return [(i, kind) for i, kind, ids in self.mixer_caches() for _ in ids]
+
+    def mixer_caches(self) -> list[tuple[int, str, range]]:
+        """(layer, kind, its cache ids) of every token mixer in model order."""
+        out, next_id = [], 0
+        for i in range(self.num_layers):
+            for kind in self.layer_mixers(i):
+                n = layer_kinds.KINDS[kind].num_caches
+                out.append((i, kind, range(next_id, next_id + n)))
+                next_id += n
+        return out
 
     def ffn_kind(self, layer: int) -> str:
         """`mlp`, `moe` or `none` for layer `layer`."""

@@ -76,6 +76,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.close()     # between steps now: KV tiers persist what the pool caches
 
     @property
     def healthy(self) -> bool:
@@ -204,11 +206,13 @@ class AsyncEngine:
 
     def _drain_commands(self) -> None:
         engine = self.engine
+        handled = False
         while True:
             try:
                 kind, arg = self._commands.get_nowait()
             except queue.Empty:
-                return
+                break
+            handled = True
             if kind == "add":
                 self._add(*arg)
             elif kind == "beam":
@@ -222,7 +226,9 @@ class AsyncEngine:
                     self._stop_search(rid)
                 live = list(engine.scheduler.requests)
                 engine.abort(live)
-        if self.metrics is not None:
+        # Aborts change the pool with no step after them when nothing else runs: /metrics
+        # must show it (the update after a step covers the rest).
+        if handled and self.metrics is not None:
             self.metrics.update_engine_state(engine.kv_cache_stats())
 
     def _add(self, prompt, params: SamplingParams, request_id: str, cap_max_tokens: bool, priority: int = 0) -> None:

@@ -25,6 +25,18 @@ class EngineConfig:
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
     quantization: str | None = None         # override of the spec's quantization.method (models/quant_load.py)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
+    tensor_parallel_size: int = 1           # ranks sharding the model (runtime/executor, models/parallel.py)
+    pipeline_parallel_size: int = 1         # stages of contiguous layers, one process each (models/pipeline.py)
+    parallel_timeout_s: float = 60.0        # every collective's timeout; a dead rank is an error by then
+    # KV tiers below the pool (cache/tiers/, runtime/kv_tiers.py); all off by default.
+    kv_host_tier_bytes: int = 0             # host RAM tier (0: none); also holds swapped-out requests
+    kv_disk_tier_dir: str | None = None     # local disk tier: survives restarts, shared by processes
+    kv_disk_tier_bytes: int = 16 << 30
+    kv_remote_tier_url: str | None = None   # redis://host:port shared by several engines
+    kv_tier_write_through: bool = False     # also store each new block in the disk / remote tiers at once
+    kv_tier_salt: str = ""                  # part of the tiers' fingerprint: keeps deployments apart
+    preemption_mode: str = "auto"           # recompute | swap | auto: swap from swap_min_tokens computed
+    swap_min_tokens: int = 256
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):
@@ -47,5 +59,20 @@ class EngineConfig:
                 raise ValueError(f"quantization must be one of {', '.join(QUANT_METHODS)}, got {self.quantization!r}")
         if self.cuda_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={self.device!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.tensor_parallel_size > 1 and self.pipeline_parallel_size > 1:
+            raise ValueError("tensor_parallel_size and pipeline_parallel_size cannot both exceed 1 yet")
+        if not isinstance(self.parallel_timeout_s, (int, float)) or not self.parallel_timeout_s > 0:
+            raise ValueError(f"parallel_timeout_s must be a positive number, got {self.parallel_timeout_s!r}")
+        if max(self.tensor_parallel_size, self.pipeline_parallel_size) > 1 and \
+                (self.kv_host_tier_bytes or self.kv_disk_tier_dir or self.kv_remote_tier_url):
+            raise ValueError("KV tiers are not supported with tensor / pipeline parallel yet (the tier copies run "
+                             "in the engine's process only)")
+        if max(self.tensor_parallel_size, self.pipeline_parallel_size) > 1 and (self.compile or self.cuda_graphs):
+            raise ValueError("tensor / pipeline parallel runs eager: compile and cuda_graphs are not supported with "
+                             "it yet")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

@@ -20,16 +20,19 @@ import torch
 
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
-from models import build_model, load_weights, resolve_spec
-from models.prepack import prepack_linears
-from models.quant_load import apply_quantization
+from kernels import cpu_features
+from models import resolve_spec
 from models.builder import DTYPES
+from models.parallel import shard_spec
+from models.pipeline import stage_layers
 from models.loader import checkpoint_dir
 from runtime.config import EngineConfig
 from runtime.detokenizer import IncrementalDetokenizer
+from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
-from runtime.worker.model_runner import ModelRunner
+from runtime.executor import make_executor
+from runtime.worker import prompt_logprobs
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.parallel_sampling import fan_out
 from runtime.request import Request, RequestStatus
@@ -73,17 +76,16 @@ class Engine:
         torch.manual_seed(config.seed)
         ckpt = checkpoint_dir(spec)
         phase("spec")
-        self.model = build_model(spec, config.device, dtype)
-        load_weights(self.model, spec)
+        if config.tensor_parallel_size > 1:                   # one-line errors before any process starts
+            shard_spec(spec, config.tensor_parallel_size)
+        if config.pipeline_parallel_size > 1:
+            stage_layers(spec, config.pipeline_parallel_size)
+        # The model (rank 0's shard with tensor parallelism), weights loaded and packed.
+        self.executor = make_executor(spec, config, dtype)
+        self.model = self.executor.model
         phase("weights")
-        self.quantized = apply_quantization(self.model, spec, config.quantization)   # {} for "none"
-        if self.quantized:
-            phase("quantize")
-        if config.prepack_weights:   # only CPU float32 linears qualify; a no-op elsewhere
-            packed = prepack_linears(self.model)
-            if packed:
-                phase("prepack")
-                log.info("packed %d linear weights in %.2f s", packed, self.startup_seconds["prepack"])
+        if config.device == "cpu":
+            cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         eos = list(spec.eos_token_ids)
@@ -91,24 +93,30 @@ class Engine:
             eos = [self.tokenizer.eos_token_id]
         self.eos_token_ids = tuple(eos)
         phase("tokenizer")
-        kv_config = make_kv_cache_config(
-            self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
-            num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
-            min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
-            chunk_tokens=config.max_num_batched_tokens)
+        try:
+            kv_config = make_kv_cache_config(
+                self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
+                num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
+                min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
+                chunk_tokens=config.max_num_batched_tokens)
+        except ValueError:
+            self.executor.shutdown()        # a pool too small: no worker process outlives the failed start
+            raise
         self.kv_manager = KVCacheManager(kv_config, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
                                    max_num_batched_tokens=config.max_num_batched_tokens,
                                    max_model_len=self.max_model_len)
-        self.runner = ModelRunner(self.model, kv_config, max_num_reqs=config.max_num_seqs,
+        self.executor.init_runner(kv_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   attention_backend=config.attention_backend, device=config.device,
                                   kv_dtype=dtype, compile=config.compile,
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
+        self.runner = self.executor.runner      # rank 0's runner
+        self.tiers = attach_tiers(self, config, kv_config)    # None unless a KV tier is configured
         phase("KV cache")
         if config.compile:
-            self.runner.warm_up()
+            self.executor.warm_up()
             phase("compile")
             log.info("compiled in %.1f s", self.startup_seconds["compile"])
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -155,6 +163,8 @@ class Engine:
             raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         params.validate_for_model(self.spec.vocab_size)
+        if params.prompt_logprobs is not None and self.config.pipeline_parallel_size > 1:
+            raise ParamError("prompt_logprobs: not supported with pipeline_parallel_size > 1 yet", "prompt_logprobs")
         text, ids = self.tokenize(prompt)
         if params.bad_words:
             self._tokenize_bad_words(params)
@@ -282,7 +292,7 @@ class Engine:
         so = self.scheduler.schedule()
         if so.is_empty:
             # Only removals (and maybe fork copies) this step: the runner still applies them.
-            self.runner.execute(so)
+            self.executor.execute(so)
             self.scheduler.update(so, {})
             if self.scheduler.waiting and not self.scheduler.running:
                 # Sizing guarantees one max_model_len request fits, so this is a bug, and
@@ -292,9 +302,10 @@ class Engine:
             return []
         if self._structured is not None and self._structured.matchers:
             so.grammar_bitmask = self._structured.bitmask(self._sampling_now(so))
-        result = self.runner.execute(so)
+        result = self.executor.execute(so)
+        outputs = [out for out in map(self._record_prompt_logprobs, (result.prompt_logprobs or {}).items())
+                   if out is not None]
         updated = self.scheduler.update(so, result.sampled, result.logprobs)
-        outputs = []
         for req in updated:
             try:
                 out = self._process(req)
@@ -346,6 +357,22 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], True,
                              error=f"{type(error).__name__}: {error}")
 
+    def _record_prompt_logprobs(self, item) -> RequestOutput | None:
+        """Keep a step's prompt-logprob entries on their request (before `update` can finish it);
+        a failure here fails that request alone."""
+        rid, chunk = item
+        req = self.scheduler.requests.get(rid)
+        if req is None or req.prompt_logprobs is None:
+            return None
+        try:
+            prompt_logprobs.record(req.prompt_logprobs, chunk, self._spell_tokens)
+        except Exception as e:  # noqa: BLE001 - this request's failure, not the engine's
+            return self._fail(req, e)
+        return None
+
+    def _spell_tokens(self, ids: list[int]) -> list[str | None]:
+        return [self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None else [None] * len(ids)
+
     def _convert_logprobs(self, req: Request) -> None:
         """Turn the step's raw logprob entry into {token_id: Logprob} once, decoding the
         token strings here on the engine thread (the tokenizer is not shared across threads)."""
@@ -375,7 +402,13 @@ class Engine:
         if finished:
             self._detok.pop(req.request_id, None)
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion], finished,
-                             num_cached_tokens=req.num_cached_tokens)
+                             num_cached_tokens=req.num_cached_tokens, prompt_logprobs=req.prompt_logprobs)
+
+    def close(self) -> None:
+        """Shut down between steps: KV tiers persist what the pool caches (runtime/kv_tiers.py),
+        and the executor's worker processes (tensor / pipeline parallel) stop."""
+        close_tiers(self)
+        self.executor.shutdown()
 
     def kv_cache_capacity(self, num_tokens: int) -> int:
         """Requests of `num_tokens` tokens (prompt + output) that fit in the pool at once."""
@@ -386,4 +419,7 @@ class Engine:
         stats["num_preemptions"] = self.scheduler.num_preemptions
         stats["num_running"] = len(self.scheduler.running)
         stats["num_waiting"] = len(self.scheduler.waiting)
+        if self.tiers is not None:
+            stats["kv_tiers"] = self.tiers.stats()
+            stats["num_waiting"] += stats["kv_tiers"]["num_waiting_for_kv"]
         return stats

@@ -74,6 +74,20 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.forks = Gauge("zooinfer_num_forks", "Requests forked from another's blocks (n > 1 samples, beams)",
                            labels, registry=r)
+        # KV tiers (cache/tiers/): cumulative per-tier counters, set from the engine's stats.
+        tier = labels + ["tier"]
+        self.tier_hits = Gauge("zooinfer_kv_tier_hits", "KV tier entries loaded (hits)", tier, registry=r)
+        self.tier_misses = Gauge("zooinfer_kv_tier_misses",
+                                 "KV tier loads that found nothing valid (missing, corrupt or refused)", tier, registry=r)
+        self.tier_bytes_loaded = Gauge("zooinfer_kv_tier_bytes_loaded", "Bytes loaded from a KV tier", tier, registry=r)
+        self.tier_bytes_stored = Gauge("zooinfer_kv_tier_bytes_stored", "Bytes stored in a KV tier", tier, registry=r)
+        self.tier_load_seconds = Gauge("zooinfer_kv_tier_load_seconds", "Seconds spent loading from a KV tier",
+                                       tier, registry=r)
+        self.tier_used = Gauge("zooinfer_kv_tier_used_bytes", "Bytes a KV tier holds", tier, registry=r)
+        self.tier_hit_tokens = Gauge("zooinfer_kv_tier_hit_tokens", "Prompt tokens served from the KV tiers",
+                                     labels, registry=r)
+        self.swaps = Gauge("zooinfer_kv_swaps", "Preempted requests swapped out to / back in from host RAM",
+                           labels + ["direction"], registry=r)
         self.model = model_name
         self._preemptions_seen = 0
 
@@ -90,6 +104,18 @@ class ServerMetrics:
         self.prefix_hits.labels(m).set(stats["prefix_cache_hits"])
         self.prefix_hit_rate.labels(m).set(stats["prefix_cache_hit_rate"])
         self.forks.labels(m).set(stats["forks"])
+        tiers = stats.get("kv_tiers")
+        if tiers is not None:
+            for name, t in tiers["tiers"].items():
+                self.tier_hits.labels(m, name).set(t["hits"])
+                self.tier_misses.labels(m, name).set(t["misses"] + t["corrupt"] + t["refused"])
+                self.tier_bytes_loaded.labels(m, name).set(t["bytes_loaded"])
+                self.tier_bytes_stored.labels(m, name).set(t["bytes_stored"])
+                self.tier_load_seconds.labels(m, name).set(t["load_seconds"])
+                self.tier_used.labels(m, name).set(t["used_bytes"])
+            self.tier_hit_tokens.labels(m).set(tiers["tier_hit_tokens"])
+            self.swaps.labels(m, "out").set(tiers["swapped_out"])
+            self.swaps.labels(m, "in").set(tiers["swapped_in"])
         new = stats["num_preemptions"] - self._preemptions_seen
         if new > 0:
             self.preemptions.labels(m).inc(new)

@@ -34,7 +34,6 @@ def _text_format(v) -> bool:
 # Parameters of OpenAI's and vLLM's APIs that this engine does not honour yet, each with the
 # test for its no-op value. Set to anything else they are refused, never ignored.
 _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
-    "prompt_logprobs": _unset,
     "truncate_prompt_tokens": _unset,
     "guided_decoding_backend": _unset, "logits_processors": _unset,
     "spaces_between_special_tokens": _is(True),
@@ -88,6 +87,7 @@ class _Common(_Strict):
     bad_words: list[str] | None = None  # extension
     priority: int = 0                   # extension: lower first, with --scheduling-policy priority
     return_tokens_as_token_ids: bool = False   # extension: logprob tokens spelled "token_id:<id>"
+    prompt_logprobs: int | None = None  # extension (vLLM): top-k logprobs of every prompt token
     use_beam_search: bool = False       # extension: n beams (runtime/beam_search.py), best first
     length_penalty: float = 1.0         # extension: beam score = cum logprob / len ** length_penalty
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
@@ -113,6 +113,8 @@ class _Common(_Strict):
             self.stream_options.check_extras()
             if not self.stream:
                 raise ParamError("stream_options: only allowed when stream is true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:   # vLLM refuses it too
+            raise ParamError("prompt_logprobs: not available when stream is true", "prompt_logprobs")
 
     def beam_params(self, max_tokens: int | None) -> BeamSearchParams:
         """With use_beam_search: n beams; every sampling option must be left unset (a beam is
@@ -120,7 +122,7 @@ class _Common(_Strict):
         for name in ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
                      "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar"):
+                     "guided_grammar", "prompt_logprobs"):
             if getattr(self, name) not in (None, [], {}, {"type": "text"}):
                 raise ParamError(f"{name}: not supported with use_beam_search", name)
         if self.temperature not in (None, 0):
@@ -144,13 +146,22 @@ class _Common(_Strict):
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs,
+            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_k,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or [],
             structured_outputs=self._structured())
+
+    @property
+    def prompt_logprobs_k(self) -> int | None:
+        """Top-k of the prompt logprobs to compute: `prompt_logprobs`, or for a completion's
+        `echo` with `logprobs` its k (vLLM: the echoed prompt carries its logprobs)."""
+        if self.prompt_logprobs is None and getattr(self, "echo", False) and isinstance(self.logprobs, int) \
+                and not isinstance(self.logprobs, bool):
+            return self.logprobs
+        return self.prompt_logprobs
 
     @property
     def structured_field(self) -> str:
@@ -227,9 +238,6 @@ class CompletionRequest(_Common):
 
     def check(self) -> None:
         super().check()
-        if self.echo and self.logprobs is not None:
-            raise ParamError("echo: with logprobs it needs prompt logprobs, which this server does not compute "
-                             "yet; leave one of them unset", "echo")
         if self.best_of is not None and self.best_of != self.n:
             raise ParamError("best_of: only best_of == n is supported", "best_of")
 

@@ -22,6 +22,8 @@ from runtime.limits import ParamError, short_repr
 from runtime.openai_protocol import ChatCompletionRequest, CompletionRequest, error_body
 from runtime.outputs import RequestOutput
 from runtime.structured_outputs import StructuredOutputsParams
+from runtime.token_bytes import TokenBytes
+from runtime.tool_stream import ToolCallStream
 
 
 class APIError(Exception):
@@ -35,6 +37,11 @@ def bad_param(e: ValueError) -> APIError:
     """A 400 for a refused value; SamplingParams' messages lose their class prefix here."""
     message = str(e).removeprefix("SamplingParams.")
     return APIError(400, message, getattr(e, "param", None), "invalid_request")
+
+
+def _finite(logprob: float) -> float:
+    """-inf (a token masked out) as the JSON number OpenAI uses for it."""
+    return max(logprob, -9999.0)
 
 
 def _sse(data: dict | str) -> str:
@@ -52,6 +59,7 @@ class OpenAIServer:
         self.api_key = api_key
         self.max_model_len = engine.engine.max_model_len
         self.tokenizer = engine.engine.tokenizer
+        self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self.created = int(time.time())
 
     # ------------------------------------------------------------- shared request handling
@@ -133,18 +141,31 @@ class OpenAIServer:
                 if out.finished:
                     final[index] = out
 
-        task = asyncio.create_task(run())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await raw.is_disconnected():
+        await self.unless_disconnected(raw, run())
+        return final
+
+    @staticmethod
+    async def unless_disconnected(raw: Request, work):
+        """Await `work` (a non-streaming call's engine work); if the client disconnects first,
+        cancel it (which aborts its requests or beam searches and frees their blocks) and
+        raise CancelledError. The server does not cancel a handler when its client goes."""
+        task = asyncio.ensure_future(work)
+        try:
+            while not task.done():
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if not done and await raw.is_disconnected():
+                    task.cancel()
+                    break
+        finally:        # the handler itself cancelled (server shutdown, the ASGI layer): stop the work too
+            if not task.done():
                 task.cancel()
-                break
         await asyncio.gather(task, return_exceptions=True)
-        if task.cancelled():
-            raise asyncio.CancelledError()
+        # A cancelled gather() of several searches ends with CancelledError as its exception.
+        if task.cancelled() or isinstance(task.exception(), asyncio.CancelledError):
+            raise APIError(499, "client closed the request", code="client_closed")   # nobody reads it
         if task.exception() is not None:
             raise task.exception()
-        return final
+        return task.result()
 
     @staticmethod
     def usage(started, finals) -> dict:
@@ -178,25 +199,50 @@ class OpenAIServer:
         return f"token_id:{token_id}" if body.return_tokens_as_token_ids else (lp.decoded_token or "")
 
     def completion_logprobs(self, out: RequestOutput, body, start: int = 0) -> dict | None:
-        """OpenAI's completions logprobs from token `start` on; `text_offset` is each token's
-        character offset in the choice's text (its tokens' texts laid end to end)."""
+        """OpenAI's completions logprobs from output token `start` on; `text_offset` is each
+        token's character offset in the choice's text (its tokens' texts laid end to end).
+        With `echo` the prompt's tokens come first, with their prompt logprobs (vLLM's shape:
+        the first prompt token has none, so its logprob and top_logprobs are null)."""
         lps, k = out.outputs[0].logprobs, body.logprobs
         if lps is None:
             return None
         ids = out.outputs[0].token_ids
-        offset = sum(len(d[t].decoded_token or "") for t, d in zip(ids[:start], lps[:start]))
-        offsets = []
-        for t, d in zip(ids[start:], lps[start:]):
-            offsets.append(offset)
-            offset += len(d[t].decoded_token or "")
-        return {"tokens": [self._spell(body, t, d[t]) for t, d in zip(ids[start:], lps[start:])],
-                "token_logprobs": [d[t].logprob for t, d in zip(ids[start:], lps[start:])],
-                "top_logprobs": [{self._spell(body, tid, lp): lp.logprob for tid, lp in self._top(d, k or 0)}
+        if body.echo and out.prompt_logprobs is not None:
+            ids, lps = [*out.prompt_token_ids, *ids], [*out.prompt_logprobs, *lps]
+            start = start + len(out.prompt_token_ids) if start else 0
+        words = [self._word(body, t, d) for t, d in zip(ids, lps)]
+        offsets = [0]
+        for w in words[:-1]:
+            offsets.append(offsets[-1] + len(w))
+        return {"tokens": words[start:],
+                "token_logprobs": [None if d is None else _finite(d[t].logprob) for t, d in zip(ids[start:], lps[start:])],
+                "top_logprobs": [None if d is None else
+                                 {self._spell(body, tid, lp): _finite(lp.logprob) for tid, lp in self._top(d, k or 0)}
                                  for d in lps[start:]],
-                "text_offset": offsets}
+                "text_offset": offsets[start:]}
 
-    async def beam(self, body, prompts: list, max_tokens: int | None, kind: str) -> dict:
-        """use_beam_search: each prompt's n best beams become its n choices."""
+    def _word(self, body, token_id: int, d: dict | None) -> str:
+        """A completions logprob token: its entry's text, or (the first prompt token, which has
+        no entry) the token decoded here."""
+        if d is not None:
+            return self._spell(body, token_id, d[token_id])
+        if body.return_tokens_as_token_ids or self.tokenizer is None:
+            return f"token_id:{token_id}"
+        return self.tokenizer.decode([token_id])
+
+    @staticmethod
+    def prompt_logprobs_json(out: RequestOutput) -> list | None:
+        """vLLM's `prompt_logprobs` field: per prompt token None (the first) or
+        {token id: {logprob, rank, decoded_token}}."""
+        if out.prompt_logprobs is None:
+            return None
+        return [None if d is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for t, lp in d.items()}
+                for d in out.prompt_logprobs]
+
+    async def beam(self, body, prompts: list, max_tokens: int | None, kind: str, raw: Request) -> dict:
+        """use_beam_search: each prompt's n best beams become its n choices; a client that
+        disconnects stops every search (AsyncEngine.beam_search frees the beams' blocks)."""
         try:
             body.check()
             params = body.beam_params(max_tokens)
@@ -204,8 +250,8 @@ class OpenAIServer:
             raise bad_param(e) from None
         base = uuid.uuid4().hex
         try:
-            outs = await asyncio.gather(*(self.engine.beam_search(p, params, f"{base}-{i}")
-                                          for i, p in enumerate(prompts)))
+            outs = await self.unless_disconnected(raw, asyncio.gather(
+                *(self.engine.beam_search(p, params, f"{base}-{i}") for i, p in enumerate(prompts))))
         except ValueError as e:
             raise bad_param(e) from None
         choices = []
@@ -229,7 +275,7 @@ class OpenAIServer:
         except ParamError as e:
             raise bad_param(e) from None
         if body.use_beam_search:
-            return await self.beam(body, prompts, body.max_tokens, "text_completion")
+            return await self.beam(body, prompts, body.max_tokens, "text_completion", raw)
         base, started = await self.start(prompts, body, body.max_tokens, body.logprobs)
         rid, created = f"cmpl-{base}", int(time.time())
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
@@ -239,7 +285,8 @@ class OpenAIServer:
         echo = self._echo(body, started)
         choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
                     "logprobs": self.completion_logprobs(out, body),
-                    "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out)}
+                    "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out),
+                    "prompt_logprobs": self.prompt_logprobs_json(out) if body.prompt_logprobs is not None else None}
                    for i, out in sorted(finals.items())]
         return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
 
@@ -252,9 +299,9 @@ class OpenAIServer:
 
     @staticmethod
     def _token_ids(body, out: RequestOutput, prompt: bool = True) -> dict:
-        """vLLM's `return_token_ids` fields of one choice."""
+        """vLLM's `return_token_ids` fields of one choice (null unless asked for, as vLLM's)."""
         if not body.return_token_ids:
-            return {}
+            return {"token_ids": None, **({"prompt_token_ids": None} if prompt else {})}
         return {"token_ids": list(out.outputs[0].token_ids),
                 **({"prompt_token_ids": list(out.prompt_token_ids)} if prompt else {})}
 
@@ -276,9 +323,9 @@ class OpenAIServer:
         if lps is None:
             return None
 
-        def entry(tid: int, lp) -> dict:
-            tok = lp.decoded_token or ""
-            return {"token": self._spell(body, tid, lp), "logprob": lp.logprob, "bytes": list(tok.encode())}
+        def entry(tid: int, lp) -> dict:   # the token's own bytes, not its decoded text's (token_bytes.py)
+            raw = self.token_bytes(tid) if self.token_bytes is not None else (lp.decoded_token or "").encode()
+            return {"token": self._spell(body, tid, lp), "logprob": _finite(lp.logprob), "bytes": list(raw)}
 
         return {"content": [{**entry(t, d[t]), "top_logprobs": [entry(tid, lp) for tid, lp in self._top(d, k or 0)]}
                             for t, d in zip(out.outputs[0].token_ids[start:], lps[start:])]}
@@ -288,7 +335,7 @@ class OpenAIServer:
             prompt, _, mode = self.render_chat(body)
             if mode not in (None, "none"):
                 raise APIError(400, "tools: not supported with use_beam_search", "tools")
-            return await self.beam(body, [prompt], body.output_limit, "chat.completion")
+            return await self.beam(body, [prompt], body.output_limit, "chat.completion", raw)
         base, started, mode = await self.start_chat(body)
         rid, created = f"chatcmpl-{base}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
@@ -299,7 +346,8 @@ class OpenAIServer:
         choices = [{"index": i, **self._message(out, mode, "message"),
                     "logprobs": self.chat_logprobs(out, body), **self._token_ids(body, out, prompt=False)}
                    for i, out in sorted(finals.items())]
-        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids)} if body.return_token_ids else {}
+        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids) if body.return_token_ids else None}
+        extra["prompt_logprobs"] = self.prompt_logprobs_json(finals[0]) if body.prompt_logprobs is not None else None
         return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
 
     async def start_chat(self, body: ChatCompletionRequest):
@@ -347,30 +395,43 @@ class OpenAIServer:
     def _message(self, out: RequestOutput, mode: str | None, key: str) -> dict:
         """A choice's message (or final delta) and finish reason: with tools, the calls the
         text holds (parsed, or constrained by tool_choice) and the content around them."""
-        c = out.outputs[0]
         content, calls = self.parse_calls(out, mode)
         msg = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             msg["tool_calls"] = [call.to_openai(j if key == "delta" else None) for j, call in enumerate(calls)]
-        # OpenAI: a forced (named) call finishes "stop"; calls the model chose, "tool_calls".
-        reason = "tool_calls" if calls and c.finish_reason == "stop" and not mode.startswith("named:") \
-            else c.finish_reason
-        return {key: msg, "finish_reason": reason}
+        return {key: msg, "finish_reason": self._finish_reason(out, calls, mode)}
+
+    @staticmethod
+    def _finish_reason(out: RequestOutput, calls: list, mode: str | None) -> str | None:
+        """OpenAI: a forced (named) call finishes "stop"; calls the model chose, "tool_calls"."""
+        reason = out.outputs[0].finish_reason
+        return "tool_calls" if calls and reason == "stop" and not mode.startswith("named:") else reason
 
     async def _stream_chat(self, body, started, head, mode: str | None = None) -> AsyncIterator[str]:
+        continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
         for i in range(len(started) * body.n):
-            yield _sse({**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                             "logprobs": None, "finish_reason": None}]})
+            chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}
+            if continuous:      # vLLM: usage on every chunk, the role chunk included
+                n_prompt = len(started[i // body.n][1].prompt_token_ids)
+                chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+            if body.return_token_ids and i == 0:    # vLLM: the prompt's ids on the first chunk only
+                chunk["prompt_token_ids"] = list(started[0][1].prompt_token_ids)
+            yield _sse(chunk)
         tools = mode not in (None, "none")
+        streams: dict[int, ToolCallStream] = {}
 
         def choice(delta: str, i: int, out: RequestOutput) -> dict | None:
             if not tools:
                 return {"delta": {"content": delta} if delta else {}}
-            if not out.finished:    # calls can only be told apart from content once complete
-                return None
-            final = self._message(out, mode, "delta")
-            final["delta"].pop("role")
-            return final
+            # Calls and content as they arrive (runtime/tool_stream.py); the final parse ends it.
+            s = streams.setdefault(i, ToolCallStream(mode, self.tool_parser))
+            if not out.finished:
+                part = s.feed(delta)
+                return {"delta": part} if part else None
+            s.text += delta
+            content, calls = self.parse_calls(out, mode)
+            return {"delta": s.finish(content, calls), "finish_reason": self._finish_reason(out, calls, mode)}
 
         async for event in self._stream(body, started, head,
                                         lambda out, start: self.chat_logprobs(out, body, start), choice):
@@ -391,12 +452,14 @@ class OpenAIServer:
                 lp = logprobs(out, sent_tokens.get(i, 0))
                 if delta or out.finished or (lp and next(iter(lp.values()))):
                     part = choice(delta, i, out)
-                    if part is None:       # held back (tool calls are sent whole at the end)
+                    sent_text[i] = max(upto, sent_text.get(i, 0))   # `choice` has seen the text
+                    if part is None:       # nothing to send yet (a tool call's name not complete)
                         continue
-                    sent_text[i] = max(upto, sent_text.get(i, 0))
-                    sent_tokens[i] = len(c.token_ids)
                     chunk = {**head, "choices": [{"index": i, "logprobs": lp,
                                                   "finish_reason": c.finish_reason if out.finished else None, **part}]}
+                    if body.return_token_ids:   # vLLM: each chunk's new token ids
+                        chunk["choices"][0]["token_ids"] = list(c.token_ids[sent_tokens.get(i, 0):])
+                    sent_tokens[i] = len(c.token_ids)
                     if continuous:       # vLLM: this choice's usage so far on every chunk
                         n_prompt = len(out.prompt_token_ids)
                         chunk["usage"] = {"prompt_tokens": n_prompt, "completion_tokens": len(c.token_ids),

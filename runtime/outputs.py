@@ -31,3 +31,4 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None   # set when the request failed on its own (finish_reason "error")
     num_cached_tokens: int = 0  # prompt tokens the prefix cache served (usage.prompt_tokens_details)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None   # [None, {id: Logprob}, ...] (vLLM's)

@@ -9,6 +9,8 @@ same thing offline and over HTTP.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from runtime.outputs import RequestOutput
 from runtime.request import Request
 
@@ -29,7 +31,10 @@ def fan_out(request: Request) -> list[Request]:
         return [request]
     samples = [request]
     for i in range(1, p.n):
-        s = request.clone(sample_id(request.request_id, i), p.sample_params(i))
+        # Prompt logprobs belong to the prompt: sample 0 computes them (the others fork from its
+        # prefill) and every sample reports the same list, complete before any sample's first token.
+        s = request.clone(sample_id(request.request_id, i), dataclasses.replace(p.sample_params(i), prompt_logprobs=None))
+        s.prompt_logprobs = request.prompt_logprobs
         s.sample_index = i
         samples.append(s)
     request.sampling_params = p.sample_params(0)
@@ -63,4 +68,5 @@ class ParentRequest:
         errors = [o.error for o in self.latest.values() if o.error is not None]
         return RequestOutput(self.request_id, first.prompt, first.prompt_token_ids,
                              [self.latest[j].outputs[0] for j in sorted(self.latest)], self.finished,
-                             error=errors[0] if errors else None, num_cached_tokens=first.num_cached_tokens)
+                             error=errors[0] if errors else None, num_cached_tokens=first.num_cached_tokens,
+                             prompt_logprobs=first.prompt_logprobs)

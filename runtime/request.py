@@ -37,7 +37,7 @@ class Request:
                  "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
                  "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob",
                  "cache_salt", "block_hashes", "external_tokens", "sample_index", "num_cached_tokens",
-                 "priority")
+                 "priority", "prompt_logprobs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None,
@@ -59,6 +59,8 @@ class Request:
         # One {token_id: Logprob} per output token when logprobs were asked for.
         self.logprobs: list[dict] | None = [] if sampling_params.logprobs is not None else None
         self.cumulative_logprob = 0.0
+        # prompt_logprobs: entry j is prompt token j's {token_id: Logprob}; token 0 has none.
+        self.prompt_logprobs: list | None = [None] if sampling_params.prompt_logprobs is not None else None
         # Prefix caching: chained hashes of the full blocks of all_token_ids (extended as
         # tokens arrive); the salt keeps tenants' caches apart.
         self.cache_salt = (cache_salt or "").encode()

@@ -37,6 +37,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None     # return this many top logprobs per token (+ the sampled one)
+    prompt_logprobs: int | None = None   # and per prompt token (runtime/worker/prompt_logprobs.py)
     # Logit edits before sampling (runtime/worker/logits_processors.py has the exact rules).
     presence_penalty: float = 0.0   # OpenAI: minus this once for each token already output
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
@@ -95,6 +96,9 @@ class SamplingParams:
             bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (
+                not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             if not number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")

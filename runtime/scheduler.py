@@ -6,7 +6,9 @@ in total: a long prompt is simply scheduled a chunk at a time (chunked prefill),
 is a request one token behind. Running requests go first, in admission order; waiting ones
 are admitted FCFS while the budget, `max_num_seqs` and the KV pool allow. When the pool runs
 dry, the most recently admitted running request is preempted by recompute: its blocks are
-freed and it rejoins the head of the waiting queue. With `policy="priority"` (vLLM's
+freed and it rejoins the head of the waiting queue (with KV tiers, a long one is swapped to
+host RAM instead, and a prompt whose prefix sits in a tier waits off the queue while it loads:
+cache/tiers/). With `policy="priority"` (vLLM's
 `--scheduling-policy priority`) the waiting queue is kept in (priority, arrival) order, lower
 first, and the running request with the largest (priority, arrival) among those not yet
 scheduled this step is the one preempted.
@@ -54,6 +56,8 @@ class SchedulerOutput:
     # Structured outputs: (request ids, one bitmask row each) of the constrained requests
     # that sample this step; the engine fills it (runtime/structured_outputs.py).
     grammar_bitmask: tuple | None = None
+    # KV tiers (cache/tiers/): pages to read out and to fill, before anything else this step.
+    kv_transfers: object | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -93,6 +97,7 @@ class Scheduler:
         self._appended: dict[str, list[int]] = {}
         # Requests with external_tokens: the top logprobs of their last step, for the driver.
         self._proposals: dict[str, dict[int, float]] = {}
+        self.tiers = None     # a cache.tiers.TierCoordinator when KV tiers are on (runtime/kv_tiers.py)
 
     # ------------------------------------------------------------- admission / removal
     def add_request(self, request: Request) -> None:
@@ -207,11 +212,13 @@ class Scheduler:
         self._appended.pop(rid, None)
         self._proposals.pop(rid, None)
         self._finished_since_last_step.add(rid)
+        if self.tiers is not None:
+            self.tiers.forget(rid)
         del self.requests[rid]
         self._release_forks(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.forks)
+        return bool(self.waiting or self.running or self.forks or (self.tiers is not None and self.tiers.has_waiting()))
 
 
     # ------------------------------------------------------------- one step
@@ -258,12 +265,29 @@ class Scheduler:
 
         # Admit waiting requests, unless this step already had to preempt (no room).
         short_of_room = bool(out.preempted_req_ids)
+        if self.tiers is not None and not short_of_room:    # requests whose tier hits have arrived
+            for req in reversed(self.tiers.poll(block=not (self.running or self.waiting))):
+                if self.policy == "fcfs":
+                    self.waiting.appendleft(req)
+                else:
+                    self._enqueue(req)
         while self.waiting and budget > 0 and not short_of_room and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             hit, looked_up = 0, False
-            if self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit:
+            swapped = self.tiers is not None and req.num_computed_tokens == 0 and \
+                self.tiers.swap.swap_in(req, can_wait=bool(self.running))
+            if swapped is None:                   # swapped out; waits for room to come back
+                break
+            if swapped:
+                hit = req.num_computed_tokens     # swapped back in from host RAM
+            # A hit would skip the positions whose prompt logprobs were asked for (vLLM skips it too).
+            elif self.kv.enable_caching and req.num_computed_tokens == 0 and req.request_id not in self.no_hit \
+                    and req.sampling_params.prompt_logprobs is None:
                 looked_up = True
                 extend_block_hashes(req.block_hashes, req.all_token_ids, self.kv.block_size, req.cache_salt)
+                if self.tiers is not None and self.tiers.start_load(req, req.block_hashes):
+                    self.waiting.popleft()        # waits for its KV off the queue; the others go on
+                    continue
                 hit = self.kv.reuse_prefix(req.request_id, req.block_hashes, req.num_tokens)
                 req.num_computed_tokens = hit
                 if not req.num_preemptions:     # what the client is told: the first admission's hit
@@ -276,8 +300,10 @@ class Scheduler:
                     self.kv.free(req.request_id)
                     req.num_computed_tokens = 0
                     # A hit pins its checkpoint pages for the step: a request that only fits
-                    # the pool without them would otherwise retry the same hit forever.
-                    self.no_hit.add(req.request_id)
+                    # the pool without them would otherwise retry the same hit forever. While
+                    # others run, their blocks come back, so the hit is worth another try.
+                    if not self.running:
+                        self.no_hit.add(req.request_id)
                 if self._reclaim_held_waiting(keep=req.request_id) or self._preempt_idle(out):
                     continue
                 break
@@ -302,6 +328,8 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         out.copies_before, out.copies_after = self.kv.take_copies()
         out.appended_token_ids, self._appended = self._appended, {}
+        if self.tiers is not None:
+            out.kv_transfers = self.tiers.take_transfers()
         return out
 
     def _chunk(self, req: Request, budget: int) -> int:
@@ -337,6 +365,8 @@ class Scheduler:
         return False
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        if self.tiers is not None:      # swap its pages to host RAM when that beats recompute
+            self.tiers.swap.swap_out(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
@@ -384,4 +414,6 @@ class Scheduler:
                 self.running.remove(req)
                 self._free(req)
         self.kv.finish_step()
+        if self.tiers is not None:
+            self.tiers.finish_step()
         return updated

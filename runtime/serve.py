@@ -115,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the spec's)")
     ap.add_argument("--cuda-graphs", action="store_true", help="replay decode steps as CUDA graphs (cuda + flashinfer)")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="ranks sharding the model, one process each (gloo on CPU, NCCL on CUDA)")
+    ap.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="pipeline stages of contiguous layers, one process each")
     ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                     help="priority: requests' `priority` field orders admission and preemption (lower first)")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
@@ -128,6 +132,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds a client has to send a request body in full (else 408)")
     ap.add_argument("--graceful-timeout", type=float, default=10.0,
                     help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    ap.add_argument("--kv-host-tier-gib", type=float, default=0.0, help="host RAM KV tier below the pool (GiB)")
+    ap.add_argument("--kv-disk-tier-dir", default=None, help="local disk KV tier (survives restarts)")
+    ap.add_argument("--kv-disk-tier-gib", type=float, default=16.0)
+    ap.add_argument("--kv-remote-tier-url", default=None, help="redis://host:port KV tier shared by engines")
+    ap.add_argument("--kv-tier-write-through", action="store_true",
+                    help="store each new KV block in the disk / remote tiers at once (shared prefixes)")
+    ap.add_argument("--kv-tier-salt", default="", help="part of the KV tiers' fingerprint")
+    ap.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
+    ap.add_argument("--swap-min-tokens", type=int, default=256, help="auto: swap requests with this many computed tokens")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
@@ -151,6 +164,14 @@ def main(argv: list[str] | None = None) -> int:
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                               enable_prefix_caching=not args.no_prefix_caching,
                               prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy,
+                              tensor_parallel_size=args.tensor_parallel_size,
+                              pipeline_parallel_size=args.pipeline_parallel_size,
+                              kv_host_tier_bytes=int(args.kv_host_tier_gib * (1 << 30)),
+                              kv_disk_tier_dir=args.kv_disk_tier_dir,
+                              kv_disk_tier_bytes=int(args.kv_disk_tier_gib * (1 << 30)),
+                              kv_remote_tier_url=args.kv_remote_tier_url, kv_tier_salt=args.kv_tier_salt,
+                              kv_tier_write_through=args.kv_tier_write_through,
+                              preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens,
                               quantization=args.quantization)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
@@ -176,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:          # an unknown tool parser (flag or spec)
         print(f"error: {e}", file=sys.stderr)
         async_engine.shutdown()
+        engine.executor.shutdown()     # parallel workers stop even if the engine thread did not
         sock.close()
         return 2
     log.info("serving %s on http://%s:%d", name, args.host, args.port)
@@ -184,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         server.run(sockets=[sock])
     except KeyboardInterrupt:   # uvicorn re-raises SIGINT after a clean shutdown
         pass
+    finally:
+        async_engine.shutdown()
+        engine.executor.shutdown()     # tensor / pipeline workers stop with the server
     return 0
 
 

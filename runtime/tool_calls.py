@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from runtime.limits import ParamError
 from runtime.structured_outputs import StructuredOutputsParams
+from runtime.tool_stream import CallScan, scan_array, scan_call
 
 
 @dataclass(slots=True)
@@ -96,31 +97,64 @@ def calls_from_constrained(mode: str, text: str) -> list[ToolCall]:
             return []
         return [ToolCall(mode.split(":", 1)[1], text)]
     try:
-        items = json.loads(text)
+        json.loads(text)
     except ValueError:
         return []
-    return [ToolCall(it["name"], json.dumps(it["parameters"])) for it in items]
+    # The arguments as the model wrote them (as streamed: runtime/tool_stream.py).
+    return [ToolCall(c.name, c.final_arguments()) for c in scan_array(text)]
 
 
 class HermesParser:
     """Hermes / Qwen style: each call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`;
-    the text outside the tags is the content."""
+    the text outside the calls is the content (trailing whitespace dropped when there are
+    calls). Arguments are the model's JSON text of the value (`tool_stream.scan_call`)."""
     name = "hermes"
-    _call = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
     def parse(self, text: str) -> tuple[str, list[ToolCall]]:
-        calls = []
-        for m in self._call.finditer(text):
-            try:
-                obj = json.loads(m.group(1))
-            except ValueError:
-                continue                     # not a call after all: it stays content
-            if isinstance(obj, dict) and isinstance(obj.get("name"), str):
-                args = obj.get("arguments", obj.get("parameters", {}))
-                calls.append(ToolCall(obj["name"], args if isinstance(args, str) else json.dumps(args)))
-        if not calls:
+        content, scans = self._split(text, final=True)
+        if not scans:
             return text, []
-        return self._call.sub("", text).strip(), calls
+        return content, [ToolCall(s.name, s.final_arguments()) for s in scans]
+
+    def partial(self, text: str) -> tuple[str, list[CallScan]]:
+        """Content and calls of a prefix of the output, each a prefix of the final parse's."""
+        return self._split(text, final=False)
+
+    def _split(self, text: str, final: bool) -> tuple[str, list[CallScan]]:
+        parts, scans, pos = [], [], 0
+        while True:
+            k = text.find(self.OPEN, pos)
+            if k < 0:
+                tail = text[pos:]
+                if not final:   # hold back what could still open a tag
+                    for n in range(min(len(tail), len(self.OPEN) - 1), 0, -1):
+                        if tail.endswith(self.OPEN[:n]):
+                            tail = tail[:-n]
+                            break
+                parts.append(tail)
+                break
+            parts.append(text[pos:k])
+            e = text.find(self.CLOSE, k)
+            body = text[k + len(self.OPEN): len(text) if e < 0 else e].strip()
+            if e < 0:
+                if not final and body.startswith("{"):     # an open call: what it holds so far
+                    scans.append(scan_call(body, 0))
+                elif final:
+                    parts.append(text[k:])
+                break
+            try:
+                obj = json.loads(body)
+            except ValueError:
+                obj = None
+            scan = scan_call(body, 0) if isinstance(obj, dict) else None
+            if scan is not None and isinstance(scan.name, str):
+                scans.append(scan)
+            else:                              # not a call after all: it stays content
+                parts.append(text[k:e + len(self.CLOSE)])
+            pos = e + len(self.CLOSE)
+        content = "".join(parts)
+        return (content.rstrip() if scans or not final else content), scans
 
 
 PARSERS = {p.name: p for p in (HermesParser,)}

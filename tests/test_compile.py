@@ -8,7 +8,7 @@ compiles nothing and recompiles nothing: prompts of 1 to 70 tokens, prefill chun
 prompt that hits the prefix cache (state checkpoints for hybrids).
 
 Every zoo family's small spec is here, every kind included (MLA: DeepSeek-V3 and Kimi-Linear;
-KDA, lightning attention, short_conv, NoPE, sinks, parallel and mixer-less layers); the 17
+KDA, lightning attention, short_conv, NoPE, sinks, parallel and mixer-less layers); the 18
 cold compiles take about 3 minutes together on two cores. Inductor writes to a private
 per-session cache (`compile_cache_dir`), so nothing leaks between sessions.
 """
@@ -80,6 +80,7 @@ def _run(llm: LLM):
     "zoo/kimi-linear-small.yaml",                                           # kda + mla (no rope) + MoE
     "zoo/minimax-small.yaml",                                               # lightning attention + MoE
     "zoo/qwen3.5-small.yaml",                                               # DeltaNet, Qwen3.5's projections
+    "zoo/deepseek-v4-small.yaml",                                           # CSA / HCA / shared-KV sliding, mHC, hash MoE
 ])
 def test_compiled_equals_eager_one_graph_no_recompiles(spec, inductor_cache):
     eager = LLM(spec, **ENGINE)

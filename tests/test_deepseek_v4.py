@@ -121,3 +121,116 @@ def test_spec_errors_name_the_field(sliding, change, message):
         data[key] = {**data[key], **value} if isinstance(value, dict) else value
     with pytest.raises(SpecError, match=re.escape(message)):
         spec_from_dict(data, "v4.yaml")
+
+
+# ---------------------------------------------------------------- compressed attention (CSA / HCA)
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+COMPRESSED = {
+    # CSA m=4 (overlapping windows, indexer top-3 of up to 21 entries) and HCA m=8 beside a
+    # sliding layer: 20-60 token prompts close many windows in every layer type
+    "csa4_hca8": dict(num_hidden_layers=4, layer_types=["sliding_attention", CSA, HCA, CSA],
+                      mlp_layer_types=["hash_moe", "moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 8}),
+    # HCA m=32 > the block size: only every 2nd entry block exists (null blocks between), and
+    # prefix hits at 16 / 48 tokens end inside an HCA window
+    "hca32": dict(num_hidden_layers=3, layer_types=[HCA, CSA, "sliding_attention"],
+                  mlp_layer_types=["hash_moe", "moe", "moe"], compress_rates={CSA: 4, HCA: 32}),
+}
+
+
+@pytest.fixture(scope="module", params=list(COMPRESSED))
+def compressed(request, tmp_path_factory):
+    """index_topk 3 < the entries most queries see, so the indexer's choice matters. Its relu
+    scores can tie at exactly 0 (torch.topk's order among ties is unspecified); 8 index heads
+    make an all-zero row (every head's q.k <= 0) improbable, so HF and we pick the same set."""
+    config = v4_config(index_topk=3, index_n_heads=8, **COMPRESSED[request.param])
+    ref = zoo_parity.reference(v4_model(config), tmp_path_factory.mktemp(f"v4-{request.param}"))
+    ref.variant = request.param
+    return ref
+
+
+@pytest.mark.parametrize("regime", zoo_parity.REGIMES)
+def test_compressed_matches_hf(compressed, regime):
+    llm = zoo_parity.check_regime(compressed, regime)
+    if regime == "default":       # every layer type owns its caches: K=V rows, entries, source rows, keys
+        kinds = [g["kind"] for g in llm.kv_cache_stats()["groups"]]
+        assert {"SlidingRowsSpec", "CompressedEntrySpec"} <= set(kinds)
+
+
+def test_compressed_import_and_cache_layout(compressed):
+    spec = spec_from_hf_dir(compressed.path)
+    c, layout = spec.compressed_attention, COMPRESSED[compressed.variant]
+    assert spec.layer_kinds == [{"sliding_attention": "swa_shared_kv"}.get(t, t) for t in layout["layer_types"]]
+    assert c.compress_rates == layout["compress_rates"]
+    assert (c.index_n_heads, c.index_head_dim, c.index_topk) == (8, 16, 3)
+    llm = LLM(compressed.path)
+    specs = llm.engine.model.kv_cache_specs(16, torch.float32)
+    # CSA owns 4 caches, HCA 3, the sliding layer 1: consecutive cache ids in layer order
+    assert len(specs) == sum({CSA: 4, HCA: 3}.get(t, 1) for t in layout["layer_types"])
+    hca = next(s for s in specs.values() if getattr(s, "compress_rate", 0) == layout["compress_rates"][HCA]
+               and type(s).__name__ == "CompressedEntrySpec")
+    assert hca.entries_per_page == max(1, 16 // hca.compress_rate)
+    rows = [s for s in specs.values() if type(s).__name__ == "SlidingRowsSpec" and s.compress_rate]
+    assert sorted(s.sliding_window for s in rows) == sorted(
+        2 * c.compress_rates[CSA] if t == CSA else c.compress_rates[HCA] for t in layout["layer_types"] if t in (CSA, HCA))
+
+
+def test_compressed_entries_change_the_output(compressed):
+    """Parity is not blind to the compressed branch: attending to fewer CSA picks (top-1) and
+    to zeroed HCA entries changes the greedy tokens."""
+    llm = LLM(compressed.path)
+    for layer in llm.engine.model.layers:
+        mixer = layer.self_attn
+        if getattr(mixer, "compressor", None) is not None:
+            if mixer.csa:
+                mixer.topk = 1
+            else:
+                mixer.compressor.kv_norm.data.zero_()
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in compressed.prompts], zoo_parity.GREEDY, use_tqdm=False)]
+    assert got != compressed.ref
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"compress_rates": {CSA: 6, HCA: 8}}, f"compressed_attention.compress_rates.{CSA}: must be a positive int"),
+    ({"compress_rates": {CSA: 4}}, f"compressed_attention.compress_rates.{HCA}: must be a positive int"),
+    ({"index_topk": 0}, "compressed_attention.index_topk: must be > 0"),
+])
+def test_compressed_spec_errors_name_the_field(compressed, change, message):
+    if compressed.variant != "csa4_hca8":
+        pytest.skip("one layout is enough")
+    data = spec_to_dict(spec_from_hf_dir(compressed.path))
+    data["compressed_attention"] = {**data["compressed_attention"], **change}
+    with pytest.raises(SpecError, match=re.escape(message)):
+        spec_from_dict(data, "v4.yaml")
+
+
+def test_compressed_query_tiles(compressed, monkeypatch):
+    """Prefill chunks split into one-query tiles (as a long chunk of a wide model is) give the
+    same tokens."""
+    import attention.compressed
+    monkeypatch.setattr(attention.compressed, "SCORE_BYTES", 1)
+    zoo_parity.check_regime(compressed, "default")
+
+
+@pytest.mark.parametrize("budget", [5, 13])
+def test_compressed_other_chunkings(compressed, budget):
+    """More prefill chunkings not aligned to the compress rates or the block size."""
+    if compressed.variant != "csa4_hca8":
+        pytest.skip("one layout is enough")
+    llm = LLM(compressed.path, max_num_batched_tokens=budget)
+    assert zoo_parity._generate(llm, compressed.prompts) == compressed.ref
+    zoo_parity.assert_all_free(llm)
+
+
+def test_compressed_with_kv_tiers(compressed, tmp_path):
+    """The compressed caches go through the KV tiers below the pool (eviction write-back, tier
+    hits, swap on preemption) with greedy outputs unchanged (tests/test_kv_tiers.py's chat)."""
+    from tests.test_kv_tiers import TIGHT, chat
+    blocks = zoo_parity.tight_pool_blocks(compressed.path, TIGHT["max_model_len"], TIGHT["max_num_batched_tokens"])
+    want = chat(LLM(compressed.path, **TIGHT, num_kv_blocks=4000))
+    on = LLM(compressed.path, **TIGHT, num_kv_blocks=blocks, kv_host_tier_bytes=1 << 26, kv_disk_tier_dir=str(tmp_path),
+             preemption_mode="auto", swap_min_tokens=24)
+    assert chat(on) == want
+    t = on.kv_cache_stats()["kv_tiers"]
+    assert t["written_back_blocks"] > 0 and t["tier_hit_tokens"] > 0
+    zoo_parity.assert_all_free(on)

@@ -129,10 +129,10 @@ def test_greedy_tokens_gate(tiny_hf, monkeypatch):
 @pytest.mark.parametrize("op, gate", [("linear_argmax", "GREEDY_ROWS"), ("screened_argmax", "SCREENED_ROWS")])
 def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch, op, gate):
     """30 greedy requests decode together: tokens equal with the fused head (the fp32 kernel, or
-    the bf16 screen where AMX is usable) and with logits + sampler; requests that want
-    logprobs take the logits."""
-    if op == "screened_argmax" and not cpu_build.amx_available():
-        pytest.skip("no AMX")
+    the bf16 screen where a screen instruction set is usable) and with logits + sampler;
+    requests that want logprobs take the logits."""
+    if op == "screened_argmax" and lm_head.screen_isa() is None:
+        pytest.skip("no bf16 screen instruction set (AMX, AVX-512 BF16, AVX2) on this CPU")
     from runtime import LLM, SamplingParams
     path, _ = tiny_hf("llama")
     g = torch.Generator().manual_seed(1)

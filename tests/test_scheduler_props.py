@@ -5,7 +5,9 @@ the SchedulerOutput deltas alone and samples a deterministic token for every req
 scheduled tokens reach the end of its sequence. After every rule the pool's bookkeeping, the
 scheduler's limits and the mirrored block tables are checked against each other.
 """
+import pickle
 from collections import Counter
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -19,11 +21,13 @@ torch.set_num_threads(1)
 from cache.kv_cache_spec import FullAttentionSpec, StateSpec  # noqa: E402
 from cache.manager import KVCacheManager, StateManager  # noqa: E402
 from cache.sizing import make_kv_cache_config  # noqa: E402
+from cache.tiers import HostTier, TierCoordinator  # noqa: E402
 from runtime.request import Request, RequestStatus  # noqa: E402
 from runtime.sampling_params import SamplingParams  # noqa: E402
 from runtime.scheduler import Scheduler  # noqa: E402
 
 BLOCK_SIZE = 4
+PAYLOAD = 1024       # bytes of a fake page in a KV tier (pickled content, zero padded)
 
 
 def ceil_div(a, b):
@@ -72,7 +76,30 @@ class FakeRunner:
                 else:
                     self.state.pop(d, None)
 
+    def page_payload(self, block: int) -> bytes:
+        data = pickle.dumps(([self.content.get((block, o)) for o in range(BLOCK_SIZE)], self.state.get(block)))
+        assert len(data) <= PAYLOAD
+        return data.ljust(PAYLOAD, b"\0")
+
+    def transfer(self, t) -> None:
+        """KV tier transfers: read pages out (all reads first), then fill pages."""
+        if t is None:
+            return
+        t._payloads = [self.page_payload(b) for _, b in t.reads]
+        for _, b, payload in t.writes:
+            content, state = pickle.loads(payload)
+            for o, tok in enumerate(content):
+                if tok is None:
+                    self.content.pop((b, o), None)
+                else:
+                    self.content[(b, o)] = tok
+            if state is None:
+                self.state.pop(b, None)
+            else:
+                self.state[b] = state
+
     def execute(self, sched: Scheduler, out) -> dict[str, int]:
+        self.transfer(out.kv_transfers)
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.tables.pop(rid, None)
             self.tokens.pop(rid, None)
@@ -90,6 +117,8 @@ class FakeRunner:
             at_fork_point = new.req_id in self.forked and new.num_computed_tokens == req.num_prompt_tokens - 1
             if at_fork_point:   # a fork holding its parent's blocks
                 pass
+            elif sched.tiers is not None and sched.tiers.swap.has(new.req_id):   # swapped back in
+                assert new.num_computed_tokens > 0
             elif sched.kv.enable_caching:   # a hit: whole blocks, at least one token left
                 assert new.num_computed_tokens % BLOCK_SIZE == 0 and new.num_computed_tokens < req.num_tokens
             else:
@@ -131,8 +160,17 @@ class FakeRunner:
         return sampled
 
 
+class InlineExecutor:
+    """Runs a tier load at once on the calling thread: the machine stays deterministic."""
+
+    def submit(self, fn, *args):
+        f = Future()
+        f.set_result(fn(*args))
+        return f
+
+
 def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len, num_groups=1,
-                   caching=False, state_pages=0):
+                   caching=False, state_pages=0, host_tier=0, preemption_mode="auto"):
     specs = {layer: FullAttentionSpec(BLOCK_SIZE, 1 + layer, 8, torch.float32)
              for layer in range(num_groups)}
     if state_pages:   # a Mamba-like layer whose state fills `state_pages` pool pages
@@ -140,8 +178,13 @@ def make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens, max_model_l
         specs[num_groups] = StateSpec(BLOCK_SIZE, shapes=(("s", (state_pages * page // 4,)),))
     cfg = make_kv_cache_config(specs, BLOCK_SIZE, num_blocks=num_blocks, min_tokens=max_model_len)
     kv = KVCacheManager(cfg, enable_caching=caching)
-    return Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                     max_model_len=max_model_len)
+    sched = Scheduler(kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                      max_model_len=max_model_len)
+    if host_tier:    # a host RAM tier of `host_tier` fake pages below the pool
+        sched.tiers = TierCoordinator(kv, [HostTier(host_tier * PAYLOAD)], b"F" * 16, [PAYLOAD] * len(cfg.groups),
+                                      preemption_mode=preemption_mode, swap_min_tokens=3,
+                                      load_executor=InlineExecutor())
+    return sched
 
 
 def check_pool(sched: Scheduler, live_ids=None) -> None:
@@ -191,13 +234,16 @@ def check_pool(sched: Scheduler, live_ids=None) -> None:
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(6, 40), max_num_seqs=st.integers(1, 8),
                 max_num_batched_tokens=st.integers(3, 64), num_groups=st.sampled_from([1, 1, 2]),
-                caching=st.booleans(), state_pages=st.sampled_from([0, 0, 1, 2]))
-    def setup(self, num_blocks, max_num_seqs, max_num_batched_tokens, num_groups, caching, state_pages):
+                caching=st.booleans(), state_pages=st.sampled_from([0, 0, 1, 2]),
+                host_tier=st.sampled_from([0, 8, 64]), preemption_mode=st.sampled_from(["auto", "swap", "recompute"]))
+    def setup(self, num_blocks, max_num_seqs, max_num_batched_tokens, num_groups, caching, state_pages,
+              host_tier, preemption_mode):
         # The pool must hold one full-length request in every group. make_kv_cache_config
         # only checks one group (see test_sizing_counts_every_group), so size it here.
         self.max_model_len = min(64, (num_blocks - 1 - state_pages) // num_groups * BLOCK_SIZE)
         self.sched = make_scheduler(num_blocks, max_num_seqs, max_num_batched_tokens,
-                                    self.max_model_len, num_groups, caching, state_pages)
+                                    self.max_model_len, num_groups, caching, state_pages,
+                                    host_tier if caching else 0, preemption_mode)
         self.runner = FakeRunner()
         self.next_id = 0
         self.finished: dict[str, Request] = {}
@@ -254,6 +300,15 @@ class SchedulerMachine(RuleBasedStateMachine):
         # Aborting again (or an unknown id) is a no-op.
         self.sched.finish_requests([rid, "nope"], RequestStatus.FINISHED_ABORTED)
         assert req.status == RequestStatus.FINISHED_ABORTED
+
+    @precondition(lambda self: self.sched.tiers is not None)
+    @rule(num_pages=st.integers(1, 8))
+    def evict_from_host_tier(self, num_pages):
+        """The host tier drops its least recently used entries (as under memory pressure)."""
+        host = self.sched.tiers.host
+        before = len(host.keys())
+        evicted = host.evict(num_pages * PAYLOAD)
+        assert len(evicted) == min(num_pages, before) and len(host.keys()) == before - len(evicted)
 
     # ------------------------------------------------------------- step + its checks
     def _step(self):
@@ -325,11 +380,24 @@ class SchedulerMachine(RuleBasedStateMachine):
     def pool_consistent(self):
         check_pool(self.sched)
 
+    def _check_entry(self, known, gid, key, written, state, what):
+        """A cached page (pool block or tier entry) holds exactly the tokens its chained hash
+        names: the chain is recomputed from the tokens of a request that produced the hash."""
+        from cache.hashing import hash_block
+        # A state checkpoint page is published under its block's hash + its page index.
+        h, page = (key[:-4], int.from_bytes(key[-4:], "little")) if is_state(self.sched, gid) else (key, None)
+        tokens = known[h]
+        parent = None
+        for start in range(0, len(tokens), BLOCK_SIZE):
+            parent = hash_block(parent, tokens[start: start + BLOCK_SIZE])
+        assert parent == h
+        if page is not None:
+            assert state == (page, tuple(tokens)), f"checkpoint page {what} is not the state after its {len(tokens)} tokens"
+        else:
+            assert written == list(tokens[-BLOCK_SIZE:]), f"{what} content differs from its hash"
+
     @invariant()
     def cached_blocks_match_their_hash(self):
-        """Every block in the prefix cache holds exactly the tokens its chained hash names:
-        the chain is recomputed from the tokens of a request that produced the hash."""
-        from cache.hashing import hash_block
         kv = self.sched.kv
         known = {}
         for req in list(self.sched.requests.values()) + list(self.finished.values()):
@@ -337,19 +405,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 known[h] = req.all_token_ids[: (i + 1) * BLOCK_SIZE]
         for (gid, key), block in kv.pool.cached.items():
             assert block.block_hash == (gid, key)
-            # A state checkpoint page is published under its block's hash + its page index.
-            h, page = (key[:-4], int.from_bytes(key[-4:], "little")) if is_state(self.sched, gid) else (key, None)
-            tokens = known[h]
-            parent = None
-            for start in range(0, len(tokens), BLOCK_SIZE):
-                parent = hash_block(parent, tokens[start: start + BLOCK_SIZE])
-            assert parent == h
-            if page is not None:
-                assert self.runner.state.get(block.block_id) == (page, tuple(tokens)), \
-                    f"checkpoint page {block.block_id} is not the state after its {len(tokens)} tokens"
-                continue
             written = [self.runner.content.get((block.block_id, o)) for o in range(BLOCK_SIZE)]
-            assert written == list(tokens[-BLOCK_SIZE:]), f"block {block.block_id} content differs from its hash"
+            self._check_entry(known, gid, key, written, self.runner.state.get(block.block_id), f"block {block.block_id}")
+        tiers = self.sched.tiers
+        if tiers is not None:       # every tier entry: its content matches its hash chain too
+            for tkey in tiers.host.keys():
+                assert tkey[:16] == tiers.fingerprint
+                gid, key = int.from_bytes(tkey[16:18], "little"), tkey[18:]
+                written, state = pickle.loads(tiers.host._load(tkey))
+                self._check_entry(known, gid, key, written, state, f"tier entry of group {gid}")
 
     @invariant()
     def holdings_match_computed(self):
@@ -357,9 +421,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(sched.running) <= sched.max_num_seqs
         pending = {c.request_id for children in sched.forks.values() for c in children}
         assert set(sched.forks) <= set(sched.requests)
+        for_kv = set(sched.tiers.waiting_for_kv) if sched.tiers is not None else set()
         assert set(sched.requests) == {r.request_id for r in sched.running} | \
-            {r.request_id for r in sched.waiting} | pending
-        assert len(sched.requests) == len(sched.running) + len(sched.waiting) + len(pending)
+            {r.request_id for r in sched.waiting} | pending | for_kv
+        assert len(sched.requests) == len(sched.running) + len(sched.waiting) + len(pending) + len(for_kv)
         for req in sched.running:
             assert req.status == RequestStatus.RUNNING
             assert req.num_computed_tokens < req.num_tokens
@@ -397,6 +462,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert not sched.running and not sched.waiting
         assert sched.kv.num_free_blocks() == sched.kv.pool.num_blocks - 1, "blocks leaked"
         assert all(m.req_to_blocks == {} for m in sched.kv.managers)
+        if sched.tiers is not None:     # no swap space, load or transfer left behind
+            t = sched.tiers
+            assert t.host.reserved == 0 and not t.swap.records and not t.waiting_for_kv and not t._writes
         for rid, req in self.finished.items():
             assert req.status.finished
             if rid not in self.aborted and req.status == RequestStatus.FINISHED_LENGTH:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import time
 
 import httpx
 import pytest
 
-from tests.serving import error_of, tiny_chat_client, tiny_chat_spec
+from tests.serving import error_of, metric, tiny_chat_client, tiny_chat_spec, wait_idle
 
 CHAT = [{"role": "user", "content": "Hello there"}]
 
@@ -35,13 +37,91 @@ def test_echo_and_token_ids(served):
     echoed = _post(http, "completions", {**body, "echo": True, "return_token_ids": True}).json()["choices"][0]
     assert echoed["text"] == "Once upon a time" + plain["text"]
     assert echoed["prompt_token_ids"] == tok.encode("Once upon a time") and len(echoed["token_ids"]) == 6
-    assert tok.decode(echoed["token_ids"]) == plain["text"] and "token_ids" not in plain
+    assert tok.decode(echoed["token_ids"]) == plain["text"] and plain["token_ids"] is None
     stream = _post(http, "completions", {**body, "echo": True, "stream": True})
     assert "".join(e["choices"][0]["text"] for e in _events(stream) if e["choices"]) == echoed["text"]
+    chat = {"messages": CHAT, "max_tokens": 5, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    whole = _post(http, "chat/completions", chat).json()
+    events = _events(_post(http, "chat/completions", {**chat, "stream": True}))
+    assert events[0]["prompt_token_ids"] == whole["prompt_token_ids"]             # first chunk only (vLLM)
+    assert not any("prompt_token_ids" in e for e in events[1:])
+    assert [t for e in events if e["choices"] for t in e["choices"][0].get("token_ids", [])] == \
+        whole["choices"][0]["token_ids"]
     ids = _post(http, "completions", {**body, "prompt": [5, 6, 7], "echo": True}).json()["choices"][0]
     assert ids["text"].startswith(tok.decode([5, 6, 7]))
-    r = _post(http, "completions", {**body, "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and error_of(r)["param"] == "echo"
+
+
+def test_beam_search_client_disconnect_frees_every_beam(served):
+    """A client that drops a use_beam_search call stops the search mid-way: fewer forks than
+    the whole search makes, and afterwards nothing runs and every block is free."""
+    http, _ = served
+    base = str(http.base_url).rstrip("/")
+    body = {"prompt": "Once upon a time", "use_beam_search": True, "n": 8, "max_tokens": 200, "ignore_eos": True}
+    forks = metric(httpx.get(base + "/metrics").text, "zooinfer_num_forks")
+    assert len(_post(http, "completions", body).json()["choices"]) == 8
+    whole = metric(httpx.get(base + "/metrics").text, "zooinfer_num_forks") - forks
+    # The same call on a raw socket, dropped once the search has forked (mid-search, whatever the load).
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((http.base_url.host, http.base_url.port))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+    deadline = time.monotonic() + 60
+    while metric(httpx.get(base + "/metrics").text, "zooinfer_num_forks") - forks - whole < 8:
+        assert time.monotonic() < deadline, "the search never forked"
+        time.sleep(0.05)
+    sock.close()
+    text = wait_idle(base)
+    assert metric(text, "zooinfer_num_requests_running") == metric(text, "zooinfer_num_requests_waiting") == 0
+    assert metric(text, "zooinfer_kv_cache_free_blocks") == metric(text, "zooinfer_kv_cache_blocks")
+    dropped = metric(text, "zooinfer_num_forks") - forks - whole
+    assert 0 < dropped < whole / 2, (dropped, whole)
+
+
+def test_chat_logprob_bytes_are_the_tokens_bytes(served):
+    """Tokens that split a character: `bytes` are the token's own (not U+FFFD's), top_logprobs too."""
+    from runtime.token_bytes import TokenBytes
+    http, tok = served
+    allowed = tok.encode("日本😀", add_special_tokens=False)
+    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "logprobs": True, "top_logprobs": 2,
+            "allowed_token_ids": allowed, "return_tokens_as_token_ids": True}
+    content = _post(http, "chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    spell = TokenBytes(tok)
+    entries = [e for c in content for e in (c, *c["top_logprobs"])]
+    assert len(content) == 8 and all(e["bytes"] == list(spell(int(e["token"][9:]))) for e in entries)
+    assert any("\ufffd" in tok.decode([int(e["token"][9:])]) and "\ufffd".encode() not in bytes(e["bytes"])
+               for e in content)
+    assert {int(e["token"][9:]) for e in content} <= set(allowed)
+
+
+def test_prompt_logprobs_and_echo_with_logprobs(served):
+    """vLLM's shapes: `prompt_logprobs` per choice (completions) or per response (chat), the
+    first prompt token null; `echo` + `logprobs` puts the prompt's tokens and logprobs first."""
+    http, tok = served
+    prompt = "Once upon a time there was"
+    ids = tok.encode(prompt)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "logprobs": 2}
+    plain = _post(http, "completions", body).json()["choices"][0]
+    asked = _post(http, "completions", {**body, "prompt_logprobs": 1, "n": 2}).json()["choices"]
+    pl = asked[0]["prompt_logprobs"]
+    assert len(pl) == len(ids) and pl[0] is None and asked[1]["prompt_logprobs"] == pl
+    assert all(str(t) in d and 1 <= len(d) <= 2 for t, d in zip(ids[1:], pl[1:]))
+    assert plain["prompt_logprobs"] is None
+    echoed = _post(http, "completions", {**body, "echo": True}).json()["choices"][0]
+    lp = echoed["logprobs"]
+    n = len(ids)
+    assert echoed["text"] == prompt + plain["text"]
+    assert lp["tokens"][n:] == plain["logprobs"]["tokens"] and lp["token_logprobs"][n:] == plain["logprobs"]["token_logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:n] == [pl[j][str(ids[j])]["logprob"] for j in range(1, n)]
+    assert lp["text_offset"][:n] == [len(tok.decode(ids[:j])) for j in range(n)]
+    assert "".join(lp["tokens"]) == echoed["text"]
+    stream = _post(http, "completions", {**body, "echo": True, "stream": True})
+    parts = [e["choices"][0]["logprobs"] for e in _events(stream) if e["choices"] and e["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for p in parts for x in p[key]] == lp[key]
+    chat = _post(http, "chat/completions", {"messages": CHAT, "max_tokens": 2, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+    assert all(len(d) == 1 for d in chat["prompt_logprobs"][1:])
 
 
 def test_cached_tokens_in_usage(served):
@@ -134,6 +214,10 @@ def test_logprob_details_and_continuous_usage(served):
     assert [c["usage"]["completion_tokens"] for c in chunks] == list(range(1, 7))
     streamed = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
     assert streamed == lp["text_offset"]
+    chat = _post(http, "chat/completions", {"messages": CHAT, "max_tokens": 3, "ignore_eos": True, "stream": True,
+                                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    used = [e["usage"]["completion_tokens"] for e in _events(chat) if e["choices"]]
+    assert used[0] == 0 and used[-1] == 3        # the role chunk has usage too (vLLM)
 
 
 def test_beam_search_over_http(served):

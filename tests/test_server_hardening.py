@@ -108,7 +108,7 @@ def test_largest_seed_with_n_wraps_instead_of_overflowing(http):
 # Parameters that were accepted with a 200 and ignored.
 IGNORED = [
     ("completions", {"prompt": "hi", "suffix": " the end"}, "suffix"),
-    ("completions", {"prompt": "hi", "echo": True, "logprobs": 2}, "echo"),
+    ("completions", {"prompt": "hi", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
     ("chat/completions", {"messages": CHAT, "echo": True}, "echo"),
     ("completions", {"prompt": "hi", "best_of": 3}, "best_of"),
     ("chat/completions", {"messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),

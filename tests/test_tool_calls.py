@@ -59,8 +59,15 @@ def test_required_gives_valid_calls(client, stream):
         chunks = list(client.chat.completions.create(stream=True, **kwargs))
         finals = [ch.choices[0] for ch in chunks if ch.choices and ch.choices[0].finish_reason]
         assert len(finals) == 1
-        calls, reason = finals[0].delta.tool_calls, finals[0].finish_reason
-        assert [tc.index for tc in calls] == list(range(len(calls)))
+        reason = finals[0].finish_reason
+        # Fragments as they stream: a call's first delta has index, id and name, then arguments.
+        deltas = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+        calls = [tc for tc in deltas if tc.id is not None]
+        assert [tc.index for tc in calls] == list(range(len(calls))) and all(tc.function.name for tc in calls)
+        for tc in deltas:
+            if tc.id is None:
+                calls[tc.index].function.arguments += tc.function.arguments
+        assert len(deltas) > len(calls) + 2, "arguments must arrive in fragments"
         whole = client.chat.completions.create(**kwargs).choices[0].message.tool_calls
         assert [(a.function.name, a.function.arguments) for a in calls] == \
             [(b.function.name, b.function.arguments) for b in whole]

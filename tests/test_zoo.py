@@ -14,7 +14,7 @@ ZOO = Path(__file__).resolve().parent.parent / "zoo"
 SMALL = ["smollm2-tiny", "mistral-sw-small", "bamba-small", "granite-hybrid-small", "qwen3-next-small",
          "lfm2-small", "smollm3-small", "olmo-hybrid-small", "gpt-oss-small",
          "nemotron-h-small", "falcon-h1-small", "deepseek-v3-small",
-         "kimi-linear-small"]
+         "kimi-linear-small", "deepseek-v4-small"]
 
 
 @pytest.mark.parametrize("path", sorted(ZOO.glob("*.yaml")), ids=lambda p: p.stem)

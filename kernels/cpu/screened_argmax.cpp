@@ -22,8 +22,12 @@
 //
 // With random or trained heads 2E is a fraction of the logits' spread: SmolLM2-135M's real
 // hidden states leave 1 candidate row for most tokens and at most a few tiles. A token whose x
-// is not finite, whose bound could overflow fp32, or that has more than MAX_TILES candidate
-// tiles (x = 0 ties everything) takes linear_argmax instead, as does everything without AMX.
+// is not finite, whose bound could overflow fp32, or that has more than max(64, NT / 4)
+// candidate tiles (x = 0 ties everything) takes linear_argmax instead, as does everything
+// without AMX.
+//
+// The bound and the decision are shared with the AVX-512 BF16 / AVX2 screens
+// (screened_lanes.cpp) in screen_common.h; this file holds the AMX screen pass.
 //
 // Layouts: W^ as tiles [NT, KS, 16, 32] (prepack `pack_bf16_tiles`: vocab tile t, k step s
 // holds W[16t : 16t+16, 32s : 32s+32], zero-padded; NT even), the A operand of TDPBF16PS; x^ is
@@ -34,7 +38,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
-#include "panels.h"
+#include "screen_common.h"
 
 #include <algorithm>
 #include <cmath>
@@ -52,11 +56,10 @@
 namespace {
 
 using namespace zooinfer_panels;
+using namespace zooinfer_screen;
 
-constexpr int64_t VT = 16;        // vocab rows per tile
 constexpr int64_t KT = 32;        // k per tile step (bf16 pairs x 16)
 constexpr int64_t TILE = 512;     // bf16 elements per tile (1 KB)
-constexpr int64_t MAX_TILES = 64; // candidate tiles per token before it takes linear_argmax
 constexpr int64_t PF_PAIRS = 2;   // prefetch the vocab tile pair this far ahead
 
 // Linux hands AMX tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
@@ -68,13 +71,6 @@ bool amx_ready() {
 #else
   return false;
 #endif
-}
-
-inline uint16_t to_bf16(float f) {   // round to nearest even (finite inputs; others fall back)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
 }
 
 #ifdef ZOOINFER_AMX
@@ -162,13 +158,6 @@ void screen_chunk(const uint16_t* wb, const uint16_t* xb, int64_t N, int64_t KS,
 }
 #endif
 
-at::Tensor fallback(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("zooinfer_cpu::linear_argmax", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t)>();
-  return op.call(x, panels, n);
-}
-
 at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& wb, const at::Tensor& panels, int64_t n,
                            double w_norm, double wb_norm, double dw_norm) {
   check_inputs("screened_argmax", x, panels, n);
@@ -178,40 +167,21 @@ at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& wb, const at::
                   wb.size(1) == KS && wb.size(2) == VT && wb.size(3) == KT,
               "screened_argmax: wb must be contiguous bfloat16 tiles [", NT, ", ", KS, ", 16, 32], got ", wb.sizes(),
               " ", wb.scalar_type());
-  if (M == 0 || !amx_ready() || !std::isfinite(w_norm + wb_norm + dw_norm)) return fallback(x, panels, n);
+  if (M == 0 || !amx_ready() || !std::isfinite(w_norm + wb_norm + dw_norm)) return linear_argmax_op(x, panels, n);
 #ifdef ZOOINFER_AMX
   const at::Tensor xc = x.contiguous();
   const float* xp = xc.data_ptr<float>();
   const int64_t G = (M + 15) / 16, ld = G * 16;
   // Per token: 2E (the candidate window) and its bf16 B-operand lanes (zero for padding lanes
   // and tokens that fall back: never screened).
-  const double g32 = double(KS * KT) * std::ldexp(1.0, -24), gamma = g32 / (1 - g32);
   std::vector<float> e2(ld, 0.f);
   std::vector<uint8_t> screened(M, 0);
+  std::vector<uint16_t> xh(static_cast<size_t>(M * KS * KT));
+  token_bounds(xp, M, K, KS * KT, KS * KT, w_norm, wb_norm, dw_norm, xh.data(), e2.data(), screened.data());
   std::vector<uint16_t> xb(static_cast<size_t>(G * KS * TILE), 0);
   for (int64_t m = 0; m < M; ++m) {
-    const float* row = xp + m * K;
     uint16_t* dst = xb.data() + (m / 16) * KS * TILE + (m % 16) * 2;
-    double xx = 0, xh = 0, dx = 0;
-    for (int64_t k = 0; k < K; ++k) {
-      const uint16_t b = to_bf16(row[k]);
-      const uint32_t bits = uint32_t(b) << 16;
-      float h;
-      std::memcpy(&h, &bits, 4);
-      xx += double(row[k]) * row[k];
-      xh += double(h) * h;
-      dx += (double(row[k]) - h) * (double(row[k]) - h);
-      dst[(k / KT) * TILE + ((k % KT) / 2) * 32 + (k % 2)] = b;
-    }
-    const double nx = std::sqrt(xx), nh = std::sqrt(xh);
-    if (!(nx * w_norm < 1e30 && nh * wb_norm < 1e30)) {   // NaN/inf x, or logits near fp32's range
-      for (int64_t k = 0; k < K; ++k) dst[(k / KT) * TILE + ((k % KT) / 2) * 32 + (k % 2)] = 0;
-      continue;
-    }
-    const double err = nx * dw_norm + std::sqrt(dx) * wb_norm + 1.01 * gamma * (nx * w_norm + nh * wb_norm) +
-                       double(KS * KT) * std::ldexp(1.0, -124) * (2 + nx + w_norm);
-    e2[m] = static_cast<float>(2 * err * 1.01);   // 1%: the threshold max - 2E is itself rounded
-    screened[m] = 1;
+    for (int64_t k = 0; k < K; ++k) dst[(k / KT) * TILE + ((k % KT) / 2) * 32 + (k % 2)] = xh[m * KS * KT + k];
   }
   // The screen: per vocab tile and token, the tile's largest bf16 logit.
   const int64_t pairs = NT / 2;
@@ -223,60 +193,10 @@ at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& wb, const at::
       screen_chunk(wp, xb.data(), n, KS, G, pairs * ch / chunks, pairs * (ch + 1) / chunks, tmax.data(),
                    rm.data() + ch * ld);
   });
-  // The decision, per token: every row of the tiles within 2E of its best, in fp32, 16 rows
-  // (one tile) per vector from the panels; -1 sends the token to linear_argmax. Tiles are
-  // picked 16 tokens (one group) per vector compare.
-  at::Tensor out = at::empty({M}, x.options().dtype(at::kLong));
-  int64_t* op = out.data_ptr<int64_t>();
-  const float* pp = panels.data_ptr<float>();
-  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<int32_t> tiles[16];
-    for (int64_t g = g0; g < g1; ++g) {
-      alignas(64) float thr[16];
-      for (int j = 0; j < 16; ++j) {
-        const int64_t m = g * 16 + j;
-        float top = -std::numeric_limits<float>::infinity();
-        for (int64_t ch = 0; ch < chunks; ++ch) top = std::max(top, rm[ch * ld + m]);
-        thr[j] = m < M && screened[m] ? top - e2[m] : std::numeric_limits<float>::infinity();
-        tiles[j].clear();
-      }
-      const __m512 tv = _mm512_load_ps(thr);
-      for (int64_t t = 0; t < NT; ++t) {
-        for (__mmask16 k = _mm512_cmp_ps_mask(_mm512_loadu_ps(tmax.data() + t * ld + g * 16), tv, _CMP_GE_OQ); k;
-             k &= k - 1) {
-          auto& list = tiles[__builtin_ctz(k)];
-          if (static_cast<int64_t>(list.size()) <= MAX_TILES) list.push_back(static_cast<int32_t>(t));
-        }
-      }
-      for (int j = 0; j < 16 && g * 16 + j < M; ++j) {
-        const int64_t m = g * 16 + j;
-        op[m] = -1;
-        if (!screened[m] || static_cast<int64_t>(tiles[j].size()) > MAX_TILES) continue;
-        const float* xr = xp + m * K;
-        float best = 0.f;
-        int64_t best_n = -1;
-        for (const int32_t t : tiles[j]) {   // ascending: the first maximum wins
-          const float* p = pp + (t / 2) * K * NR + (t % 2) * VT;
-          vf16 acc = splat(0.f);
-          for (int64_t k = 0; k < K; ++k) acc += load(p + k * NR) * splat(xr[k]);
-          const int64_t valid = std::min<int64_t>(VT, n - int64_t(t) * VT);
-          for (int64_t r = 0; r < valid; ++r)
-            if (best_n < 0 || acc[r] > best) best = acc[r], best_n = int64_t(t) * VT + r;
-        }
-        op[m] = best_n;
-      }
-    }
-  });
-  std::vector<int64_t> rest;
-  for (int64_t m = 0; m < M; ++m)
-    if (op[m] < 0) rest.push_back(m);
-  if (!rest.empty()) {
-    const at::Tensor idx = at::tensor(rest, out.options());
-    out.index_put_({idx}, fallback(xc.index_select(0, idx), panels, n));
-  }
-  return out;
+  // The decision, per token: every row of the tiles within 2E of its best, in fp32.
+  return decide(xc, panels, n, NT, tmax.data(), ld, rm.data(), chunks, e2.data(), screened.data());
 #else
-  return fallback(x, panels, n);
+  return linear_argmax_op(x, panels, n);
 #endif
 }
 

@@ -7,7 +7,8 @@ hook, gathered in one `LayerKind`, or `state_kind(...)` for a state layer) and o
 """
 from __future__ import annotations
 
-from models.kinds import attention, gated_deltanet, kda, lightning_attention, mamba2, mla, short_conv, swa_shared_kv
+from models.kinds import (attention, compressed_attention, gated_deltanet, kda, lightning_attention, mamba2, mla,
+                          short_conv, swa_shared_kv)
 from models.kinds.base import Fail, LayerKind, Sources, linear_sources, state_kind
 
 KINDS: dict[str, LayerKind] = {k.name: k for k in (
@@ -21,6 +22,7 @@ KINDS: dict[str, LayerKind] = {k.name: k for k in (
     mla.KIND,
     lightning_attention.KIND,
     swa_shared_kv.KIND,
+    compressed_attention.CSA, compressed_attention.HCA,
 )}
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from cache.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
-from models.kinds.base import Fail, LayerKind, Sources, linear_sources
+from models.kinds.base import Fail, LayerKind, Sources, TPRule, linear_sources
 from models.layers import Attention, RotaryEmbedding
 
 if TYPE_CHECKING:
@@ -81,8 +81,18 @@ def import_sliding(cfg: dict, spec: dict) -> None:
     spec["attention"]["sliding_window"] = cfg.get("sliding_window")
 
 
+def tp_check(spec: ModelSpec, tp: int) -> str | None:
+    if spec.attention.qk_norm_all_heads:
+        return "attention.qk_norm_all_heads: a q/k norm over all heads does not split over tensor-parallel ranks"
+    return None
+
+
+# Query heads split; KV heads split, or replicated when fewer than ranks (each rank then
+# keeps the KV head its query heads read); o_proj is row parallel.
+TP = TPRule(split=("attention.num_heads",), split_or_replicate=("attention.num_kv_heads",), check=tp_check)
+
 _common = dict(section="attention", section_spec=None, attr="self_attn", forward=forward,
-               weight_names=WEIGHT_NAMES, weight_sources=weight_sources)
+               weight_names=WEIGHT_NAMES, weight_sources=weight_sources, tp=TP)
 _full = dict(cache_spec=full_cache_spec, **_common)
 _sliding = dict(cache_spec=sliding_cache_spec, validate=validate_sliding, import_hf=import_sliding, **_common)
 

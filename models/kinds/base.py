@@ -26,6 +26,26 @@ def _nothing(*args: Any) -> None:
 
 
 @dataclass(frozen=True)
+class TPRule:
+    """How a kind's layers split over tensor-parallel ranks (applied by models/parallel.py).
+
+    `split`: spec fields (dotted paths, e.g. "attention.num_heads") divided by the TP size (each rank a contiguous
+    1/tp of them, e.g. query heads); `split_or_replicate`: divided when the TP size divides
+    them, else every rank keeps one (KV heads, Mamba2 groups: fewer than ranks are
+    replicated, rank r takes number r * n // tp). The rank's mixer is then built from the
+    divided section, and every parameter whose shape shrank takes its rank's rows (dim 0:
+    column parallel) or columns (last dims: row parallel, the linear's output all-reduced).
+    `segments(mixer)`: param name -> the sizes of the independently split blocks of its
+    sharded dim, for fused params whose checkpoint parts do not say it (Mamba2's
+    in_proj = z | x | B | C | dt); missing params split as their checkpoint parts, or whole.
+    `check(spec, tp)`: a one-line reason the kind cannot take this TP size, or None."""
+    split: tuple[str, ...] = ()
+    split_or_replicate: tuple[str, ...] = ()
+    segments: Callable[[nn.Module], dict[str, list[int]]] = lambda mixer: {}
+    check: Callable[[ModelSpec, int], str | None] = _nothing
+
+
+@dataclass(frozen=True)
 class LayerKind:
     """One layer kind: everything the rest of the engine needs to parse, build, cache, load and
     import a layer of it. Call signatures are in the comments."""
@@ -49,6 +69,9 @@ class LayerKind:
     local_rope: bool = False        # takes `rope_local` when the spec has one (Gemma 3's sliding layers)
     derived_tensors: tuple[str, ...] = ()   # checkpoint tensor name suffixes it recomputes (decay
                                     # tables HF saves as buffers): the loader skips them
+    tp: TPRule | None = None        # its tensor-parallel sharding; None: tp > 1 refuses the kind
+    num_caches: int = 1             # caches one mixer owns (consecutive cache ids); above 1 its
+                                    # `cache_spec` returns that many specs and `forward` gets a list
 
 
 def linear_sources(ours: str, hf: str, parts: list[tuple[str, int, int]], bias: bool) -> Sources:
@@ -94,5 +117,5 @@ def state_kind(name: str, section_spec: type, make_mixer, hf_prefix: str, weight
                      weight_sources=weight_sources or one_to_one, **extra)
 
 
-__all__ = ["Fail", "LayerKind", "Sources", "linear_sources", "state_cache_spec", "state_forward",
+__all__ = ["Fail", "LayerKind", "Sources", "TPRule", "linear_sources", "state_cache_spec", "state_forward",
            "state_kind"]

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from models.gated_deltanet import GatedDeltaNet, Qwen3_5GatedDeltaNet, SeparateGatedDeltaNet
-from models.kinds.base import Sources, state_kind
+from models.kinds.base import Sources, TPRule, state_kind
 
 if TYPE_CHECKING:
     from models.spec import ModelSpec
@@ -65,6 +65,20 @@ def import_hf(cfg: dict, spec: dict) -> None:
                               "allow_neg_eigval": bool(cfg.get("linear_allow_neg_eigval", False))}
 
 
+def tp_segments(mixer: nn.Module) -> dict[str, list[int]]:
+    """The conv over q | k | v; the separate / qwen3_5 in_proj = q | k | v | z | b | a (qwen3_next's
+    fused projections interleave per key head, so a contiguous split is a split by key heads)."""
+    kd, vd, hv = mixer.key_dim, mixer.value_dim, mixer.num_v_heads
+    seg = {"conv1d.weight": [kd, kd, vd]}
+    if hasattr(mixer, "in_proj"):
+        seg["in_proj.weight"] = [kd, kd, vd, vd, hv, hv]
+    return seg
+
+
+# Key and value heads split (value heads stay grouped with their key head); the state pages
+# hold the rank's heads; out_proj is row parallel.
+TP = TPRule(split=("gated_deltanet.num_k_heads", "gated_deltanet.num_v_heads"), segments=tp_segments)
+
 KIND = state_kind("gated_deltanet", GatedDeltaNetSpec, make_mixer, hf_prefix="linear_attn",
                   hf_layer_types=("linear_attention",), import_hf=import_hf, validate=validate,
-                  weight_sources=weight_sources)
+                  weight_sources=weight_sources, tp=TP)

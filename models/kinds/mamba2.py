@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from models.kinds.base import Fail, state_kind
+from models.kinds.base import Fail, TPRule, state_kind
 from models.mamba2 import Mamba2Mixer
 
 if TYPE_CHECKING:
@@ -86,5 +86,25 @@ def import_hf(cfg: dict, spec: dict) -> None:
         "gated_norm": gated_norm}
 
 
+def tp_segments(mixer: nn.Module) -> dict[str, list[int]]:
+    """in_proj = z | x | B | C | dt and the conv over x | B | C: each block splits alone."""
+    i, gn, h = mixer.intermediate_size, mixer.n_groups * mixer.state_size, mixer.num_heads
+    proj, conv = [i, i, gn, gn, h], [i, gn, gn]
+    return {"in_proj.weight": proj, "in_proj.bias": proj, "conv1d.weight": conv, "conv1d.bias": conv}
+
+
+def tp_check(spec: ModelSpec, tp: int) -> str | None:
+    g = spec.mamba2.n_groups
+    if g % tp and g != 1:
+        return f"mamba2.n_groups: {g} groups neither split over nor replicate to {tp} tensor-parallel ranks " \
+               "(one group, or a multiple of the TP size)"
+    return None
+
+
+# Heads split; B and C groups split, or (one group) replicated, the gated norm then reduced
+# over all ranks (models/parallel.py); the state pages hold the rank's heads.
+TP = TPRule(split=("mamba2.num_heads",), split_or_replicate=("mamba2.n_groups",), segments=tp_segments,
+            check=tp_check)
+
 KIND = state_kind("mamba2", Mamba2Spec, make_mixer, hf_prefix="mamba", hf_layer_types=("mamba",),
-                  validate=validate, import_hf=import_hf)
+                  validate=validate, import_hf=import_hf, tp=TP)

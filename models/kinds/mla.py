@@ -29,7 +29,7 @@ from torch import nn
 from attention.mla import mla_attention_op
 from cache.kv_cache_spec import MLASpec
 from models.kinds.attention import forward      # mixer(positions, hidden, kv_cache), as attention's
-from models.kinds.base import Fail, LayerKind, Sources, linear_sources
+from models.kinds.base import Fail, LayerKind, Sources, TPRule, linear_sources
 from models.layers import RMSNorm, RotaryEmbedding, yarn_mscale
 
 if TYPE_CHECKING:
@@ -181,6 +181,10 @@ def import_hf(cfg: dict, spec: dict) -> None:
     spec["attention"]["head_dim"] = cfg["qk_rope_head_dim"]
 
 
-KIND = LayerKind(name="mla", section="mla", section_spec=MLASection, attr="self_attn", make_mixer=MLAttention,
+# Heads split (q_b_proj, kv_b_proj rows per head; o_proj row parallel); the latent cache
+# and the low-rank down projections are replicated, so every rank's pages hold the same rows.
+TP = TPRule(split=("attention.num_heads",))
+
+KIND = LayerKind(name="mla", tp=TP, section="mla", section_spec=MLASection, attr="self_attn", make_mixer=MLAttention,
                  forward=forward, cache_spec=cache_spec, weight_names=WEIGHT_NAMES, weight_sources=weight_sources,
                  validate=validate, import_hf=import_hf)

@@ -2,10 +2,9 @@
 deepseek_v4 config): the shared-KV attention block (models.shared_kv_attention) over the last
 `attention.sliding_window` tokens, with per-head sinks, on the main rope (`rope_local`).
 
-The cache is a sliding-window group of one key/value head. The key is the value in this
-layer, yet the page holds both (the generic paged attention path writes K and V): 2x the
-bytes a K-only page would need, a stopgap until the compressed kinds' K-only sliding spec
-serves these layers too.
+The cache is the compressed kinds' K=V sliding rows (`SlidingRowsSpec`): one [head_dim] row
+per token, the key that is also the value, stored once; `zooinfer::compressed_attention`
+(attention/compressed.py) attends over it with only the sliding part (no entries).
 """
 from __future__ import annotations
 
@@ -14,8 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from attention.ops import paged_attention_op
-from cache.kv_cache_spec import SlidingWindowSpec
+from attention.compressed import compressed_attention_op
+from cache.kv_cache_spec import SlidingRowsSpec
 from models import shared_kv_attention as skv
 from models.kinds.attention import forward       # mixer(positions, hidden, kv_cache)
 from models.kinds.base import Fail, LayerKind
@@ -27,13 +26,13 @@ if TYPE_CHECKING:
 class SlidingSharedKV(skv.SharedKVAttention):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
         q, kv, _ = self.project(positions, x)
-        k = kv.unsqueeze(1)                     # [T, 1, d]: the one head, key and value alike
-        o = paged_attention_op()(q, k, k, kv_cache, self.layer_id, self.scale, self.sinks)
-        return self.finish(o.view(-1, self.num_heads, self.head_dim), positions)
+        o = compressed_attention_op()(q, kv, None, None, None, self.sinks, [], self.rotary.cos, self.rotary.sin,
+                                      [kv_cache], self.layer_id, 0, self.scale, self.eps)
+        return self.finish(o, positions)
 
 
-def cache_spec(spec: ModelSpec, mixer: nn.Module, block_size: int, dtype: torch.dtype) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size, 1, spec.attention.head_dim, dtype, spec.attention.sliding_window or 0)
+def cache_spec(spec: ModelSpec, mixer: nn.Module, block_size: int, dtype: torch.dtype) -> SlidingRowsSpec:
+    return SlidingRowsSpec(block_size, 1, spec.attention.head_dim, dtype, spec.attention.sliding_window or 0)
 
 
 def validate(spec: ModelSpec, fail: Fail) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from attention import BatchLayout, ForwardContext, set_forward_context
-from cache.kv_cache_spec import MLASpec, StateSpec
+from cache.kv_cache_spec import CompressedEntrySpec, MLASpec, SlidingRowsSpec, StateSpec
 from runtime.worker.step_plan import StepBatch, plan_layers
 
 log = logging.getLogger("zooinfer")
@@ -96,6 +96,8 @@ def unsupported_reason(device: torch.device, backend, kv_config) -> str | None:
         return "cuda_graphs=True does not support state layers (mamba2, gated_deltanet) yet"
     if any(isinstance(g.spec, MLASpec) for g in kv_config.groups):
         return "cuda_graphs=True does not support mla layers yet"
+    if any(isinstance(g.spec, (SlidingRowsSpec, CompressedEntrySpec)) for g in kv_config.groups):
+        return "cuda_graphs=True does not support DeepSeek-V4 attention layers (their plans are not static) yet"
     return None
 
 

@@ -32,6 +32,7 @@ class InputBatch:
         self.min_p = np.zeros(max_num_reqs, dtype=np.float32)
         self.min_tokens = np.zeros(max_num_reqs, dtype=np.int64)
         self.logprobs = np.full(max_num_reqs, -1, dtype=np.int64)   # -1: none requested
+        self.prompt_logprobs = np.full(max_num_reqs, -1, dtype=np.int64)   # -1: none (prompt_logprobs.py)
         self.stop_ids: list[list[int]] = [[] for _ in range(max_num_reqs)]  # banned before min_tokens
         # Logit edits (runtime/worker/logits_processors.py): penalties per row, and per row
         # the logit_bias as (ids, values) arrays and the allowed ids, or None.
@@ -69,6 +70,7 @@ class InputBatch:
         self.min_p[row] = p.min_p
         self.min_tokens[row] = p.min_tokens
         self.logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
         self.external[row] = new.external_tokens
         self.stop_ids[row] = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
         self.presence_penalty[row] = p.presence_penalty
@@ -121,7 +123,8 @@ class InputBatch:
         n = self.num_tokens[src]
         self.token_ids[dst, :n] = self.token_ids[src, :n]
         for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens, self.temperature,
-                    self.top_k, self.top_p, self.min_p, self.min_tokens, self.logprobs, self.external,
+                    self.top_k, self.top_p, self.min_p, self.min_tokens, self.logprobs, self.prompt_logprobs,
+                    self.external,
                     self.presence_penalty, self.frequency_penalty, self.repetition_penalty):
             arr[dst] = arr[src]
         self.stop_ids[dst] = self.stop_ids[src]

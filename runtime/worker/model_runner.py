@@ -19,9 +19,12 @@ import torch
 
 from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
+from cache.tiers.transfer import run_transfers
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
 from runtime.worker.logits_processors import LogitsEdits
+from runtime.worker import prompt_logprobs
+from runtime.worker.prompt_logprobs import PromptLogprobsChunk
 from runtime.worker.sampler import Sampler, SamplerOutput, SamplingMetadata
 from runtime.scheduler import SchedulerOutput
 from runtime.worker.step_plan import StepBatch, plan_layers
@@ -31,6 +34,7 @@ from runtime.worker.step_plan import StepBatch, plan_layers
 class ModelRunnerOutput:
     sampled: dict[str, int]            # req id -> new token (only rows that completed)
     logprobs: dict[str, dict] | None   # req id -> {"token": (logprob, rank), "top": {id: logprob}}
+    prompt_logprobs: dict[str, PromptLogprobsChunk] | None = None   # req id -> this step's prompt entries
 
 
 class ModelRunner:
@@ -176,8 +180,16 @@ class ModelRunner:
         self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.finish_step(self.forward_step(so))
+
+    @torch.inference_mode()
+    def forward_step(self, so: SchedulerOutput):
+        """A step up to its final hidden states (batch delta, inputs, forward, page copies);
+        `finish_step` samples. Pipeline stages run several of these before finishing any
+        (runtime/executor/multiproc.py: micro-batches in flight)."""
+        if so.kv_transfers is not None:          # KV tiers: evicted pages out, tier hits / swap-ins in
+            run_transfers(so.kv_transfers, self._copy_spans, self.device)
         self._update_batch(so)
         b = self.batch
         rows = np.fromiter((b.req_id_to_row[r] for r in so.num_scheduled_tokens), dtype=np.int64,
@@ -227,17 +239,23 @@ class ModelRunner:
                 self.forward(ids_t, pos_t, self.kv_caches)
         self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
+        prompt_lps = None
+        if (b.prompt_logprobs[rows] >= 0).any():    # from this forward's hidden states, no second pass
+            prompt_lps = prompt_logprobs.compute(hidden, self.model.compute_logits, b, rows, req_rows, positions)
+        return hidden, rows, done, logits_index, so.grammar_bitmask, prompt_lps
+
+    @torch.inference_mode()
+    def finish_step(self, pending) -> ModelRunnerOutput:
+        """The sampled tokens of a `forward_step` (which may have finished the step already)."""
+        if isinstance(pending, ModelRunnerOutput):
+            return pending
+        hidden, rows, done, logits_index, grammar_bitmask, prompt_lps = pending
+        b = self.batch
         sample_rows = rows[done]
         if not len(sample_rows):
-            return ModelRunnerOutput({}, None)
-        meta = self._sampling_metadata(sample_rows, so.grammar_bitmask)
-        hidden = hidden[logits_index]
-        if meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
-                and meta.max_logprobs is None:
-            # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
-            out = SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
-        else:
-            out = self.sampler(self.model.compute_logits(hidden), meta)
+            return ModelRunnerOutput({}, None, prompt_lps)
+        meta = self._sampling_metadata(sample_rows, grammar_bitmask)
+        out = self._sample(hidden[logits_index], meta)
 
         tokens = out.token_ids.cpu().numpy()
         own = ~b.external[sample_rows]         # external rows get their next token fed later
@@ -247,7 +265,20 @@ class ModelRunner:
         b.num_tokens[rows_own] = n + 1
         req_ids = [b.req_ids[r] for r in sample_rows.tolist()]
         sampled = dict(zip(req_ids, tokens.tolist()))
-        return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows))
+        return ModelRunnerOutput(sampled, self._logprobs(out, req_ids, sample_rows), prompt_lps)
+
+    @staticmethod
+    def _greedy_only(meta: SamplingMetadata) -> bool:
+        """Every row takes its argmax and nothing edits the logits or asks for logprobs."""
+        return meta.all_greedy and meta.banned is None and meta.edits is None and meta.grammar is None \
+            and meta.max_logprobs is None
+
+    def _sample(self, hidden: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """The sampled rows' tokens from their final hidden states."""
+        if self._greedy_only(meta):
+            # the model's GreedyHead picks the path: LM head + argmax without logits (CPU kernels), or logits + argmax
+            return SamplerOutput(token_ids=self.model.greedy_head(hidden, self.model.compute_logits))
+        return self.sampler(self.model.compute_logits(hidden), meta)
 
     def _sampling_metadata(self, rows: np.ndarray, grammar_bitmask=None) -> SamplingMetadata:
         b = self.batch

@@ -15,9 +15,10 @@ import numpy as np
 import torch
 
 from attention import BatchLayout
+from attention.compressed_plan import EntryPlan, RowsPlan
 from attention.mla import MLAPlan
 from attention.state import StatePlan
-from cache.kv_cache_spec import KVCacheConfig, MLASpec, StateSpec
+from cache.kv_cache_spec import CompressedEntrySpec, KVCacheConfig, MLASpec, SlidingRowsSpec, StateSpec
 
 
 @dataclass(slots=True)
@@ -64,8 +65,16 @@ def plan_layers(kv_config: KVCacheConfig, batch: StepBatch, plan_kv: PlanKV,
                                  block_table=table, slot_mapping=batch.slot_mappings[gid],
                                  block_size=kv_config.block_size,
                                  sliding_window=getattr(spec, "sliding_window", None))
-            # MLA groups attend in their own op (attention/mla.py), whatever the backend.
-            meta = MLAPlan.build(layout, device) if isinstance(spec, MLASpec) else plan_kv(gid, layout)
+            # MLA groups and DeepSeek-V4's compressed attention caches are read by their own
+            # ops (attention/mla.py, attention/compressed.py), whatever the backend.
+            if isinstance(spec, MLASpec) or isinstance(spec, SlidingRowsSpec) and not spec.compress_rate:
+                meta = MLAPlan.build(layout, device)
+            elif isinstance(spec, SlidingRowsSpec):
+                meta = RowsPlan.build(layout, spec.compress_rate, spec.overlap, device)
+            elif isinstance(spec, CompressedEntrySpec):
+                meta = EntryPlan.build(layout, spec.compress_rate, spec.entries_per_page, spec.block_stride, device)
+            else:
+                meta = plan_kv(gid, layout)
         for layer in group.layer_ids:
             layer_meta[layer] = meta
     return layer_meta

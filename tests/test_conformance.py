@@ -1,0 +1,73 @@
+"""bench.conformance on a fake vLLM checkout: the fixture substitution starts our server under
+the test's model name, vLLM's get_tokenizer gives the served tokenizer, a flag we cannot honour
+skips the test naming it, a file importing vLLM internals is not applicable, and the junit
+results parse into the right pass / fail / skip lists with the failure's reason."""
+from __future__ import annotations
+
+import sys
+
+from bench.conformance import report, run_file, server_files
+from tests.serving import tiny_chat_spec
+
+FAKE = '''
+import pytest
+from ...utils import RemoteOpenAIServer
+from vllm.tokenizers import get_tokenizer
+
+MODEL = "org/fake-model"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteOpenAIServer(MODEL, ["--max-model-len", "256", "--enforce-eager", "--seed", "0"]) as s:
+        yield s
+
+
+def test_models(server):
+    assert [m.id for m in server.get_client().models.list().data] == [MODEL]
+
+
+def test_tokens(server):
+    out = server.get_client().completions.create(model=MODEL, prompt="Hello", max_tokens=2,
+                                                 extra_body={"return_token_ids": True})
+    assert out.choices[0].prompt_token_ids == get_tokenizer(tokenizer_name=MODEL).encode("Hello")
+
+
+def test_wrong(server):
+    text = server.get_client().completions.create(model=MODEL, prompt="Hi", max_tokens=1).choices[0].text
+    assert text == "never this"
+
+
+def test_lora():
+    RemoteOpenAIServer(MODEL, ["--enable-lora"])
+'''
+INTERNAL = '''
+from vllm.config import ModelConfig
+from ...utils import RemoteOpenAIServer
+
+
+def test_x():
+    pass
+'''
+
+
+def test_runner_on_a_fake_checkout(tmp_path):
+    checkout = tmp_path / "vllm"
+    suite = checkout / "tests" / "entrypoints" / "openai"
+    suite.mkdir(parents=True)
+    for d in (checkout / "tests", checkout / "tests" / "entrypoints", suite):
+        (d / "__init__.py").write_text("")
+    (checkout / "tests" / "conftest.py").write_text("import vllm.engine  # vLLM's own: must stay unloaded\n")
+    (suite / "test_fake.py").write_text(FAKE)
+    (suite / "test_internal.py").write_text(INTERNAL)
+    (suite / "test_no_server.py").write_text("def test_y():\n    pass\n")
+    assert [p.name for p in server_files(checkout)] == ["test_fake.py", "test_internal.py"]
+    spec = str(tiny_chat_spec(tmp_path))
+    fake = run_file(sys.executable, checkout, suite / "test_fake.py", spec, tmp_path, timeout=600)
+    assert sorted(fake.passed) == ["test_models", "test_tokens"] and fake.not_applicable is None
+    assert [name for name, _ in fake.failed] == ["test_wrong"] and "never this" in fake.failed[0][1]
+    assert fake.skipped == [("test_lora", "not applicable: LoRA (--enable-lora)")]
+    internal = run_file(sys.executable, checkout, suite / "test_internal.py", spec, tmp_path, timeout=600)
+    assert internal.not_applicable == "imports vllm.config (vLLM internals)" and not internal.passed
+    text = report([fake, internal])
+    assert "applicable 3: passed 2, failed 1 (66.7% pass); skipped 1; files not applicable 1" in text
