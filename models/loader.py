@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 
 from models.builder import CausalLM
 from models.kinds import KINDS
+from models.quant_load import FP8_DTYPES, SCALE_SUFFIX, fp8_block_size, fp8_dequantize
 from models.spec import ModelSpec
 
 
@@ -135,6 +136,25 @@ def _size_by_file(sources: dict[str, list], files: list[Path], params: dict) -> 
     return sources
 
 
+def _fp8_weight(f, files: list[Path], name: str, tensor: torch.Tensor, dtype: torch.dtype, where: str) -> torch.Tensor:
+    """An FP8 checkpoint tensor times its block scales (`<name>_scale_inv`, in any file), in `dtype`."""
+    scale = None
+    if name + SCALE_SUFFIX in f.keys():
+        scale = f.get_tensor(name + SCALE_SUFFIX)
+    else:
+        for other in files:
+            with _open(other) as g:
+                if name + SCALE_SUFFIX in g.keys():
+                    scale = g.get_tensor(name + SCALE_SUFFIX)
+                    break
+    if scale is None:
+        raise WeightError(f"{where}is {tensor.dtype} but the checkpoint has no '{name}{SCALE_SUFFIX}'")
+    try:
+        return fp8_dequantize(tensor, scale, fp8_block_size(files[0].parent), dtype)
+    except ValueError as e:
+        raise WeightError(f"{where}{e}") from None
+
+
 @torch.no_grad()
 def fill_from_safetensors(params: dict[str, torch.Tensor], sources: dict[str, list[tuple]], path: Path) -> list[str]:
     """Fill `params` from the safetensors under `path` as `sources` says (param name ->
@@ -152,10 +172,13 @@ def fill_from_safetensors(params: dict[str, torch.Tensor], sources: dict[str, li
         with _open(file) as f:
             for name in f.keys():
                 if name not in targets:
-                    unused.append(name)
+                    if not (name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in targets):
+                        unused.append(name)   # an FP8 weight's scales are read with the weight
                     continue
                 param_name, offset, rows, transforms = targets[name]
                 tensor = f.get_tensor(name)   # a read past a truncated file raises in _open
+                if tensor.dtype in FP8_DTYPES:
+                    tensor = _fp8_weight(f, files, name, tensor, params[param_name].dtype, f"{file}: tensor '{name}' ")
                 copy_source(params[param_name], tensor, offset, rows, transforms, f"{file}: tensor '{name}' ")
                 seen.add(name)
     missing = sorted(set(targets) - seen)

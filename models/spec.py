@@ -146,6 +146,19 @@ class CheckpointSpec:
     ignore: list = field(default_factory=list)
 
 
+QUANT_METHODS = ("none", "gguf", "int8", "int4", "int4_asym")
+
+
+@dataclass(slots=True)
+class QuantizationSpec:
+    """How linear weights are stored at run time (models/quant_load.py): `none` (the dtype),
+    `gguf` (the checkpoint GGUF's blocks, kept quantized), `int8` (per output channel), `int4` /
+    `int4_asym` (groups of `group_size`), the last three made by the loader from float weights."""
+    method: str = "none"
+    group_size: int = 32       # int4 / int4_asym
+    lm_head: bool = True       # False: the head stays float (packed panels, fused greedy head)
+
+
 # Where each of our parameters lives in an HF checkpoint. Per-layer names are relative to
 # `layer` (with {i} the layer index). Defaults are the Llama family's names; each layer kind
 # adds its own (attention's q/k/v/o, a state kind's mixer prefix) from models.kinds.
@@ -224,6 +237,7 @@ class ModelSpec:
     max_model_len: int = 4096
     eos_token_ids: list = field(default_factory=list)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    quantization: QuantizationSpec = field(default_factory=QuantizationSpec)
     weight_names: dict = field(default_factory=dict)
     # Constant factors folded into checkpoint tensors as they load (Falcon-H1's muP multipliers):
     # tensor name (full, or relative to `layer` for every layer) -> a scale, or [[rows, scale], ...]
@@ -412,6 +426,7 @@ def _validate(spec: ModelSpec, fail) -> None:
                                   f"layer (layer {i})")
     choices = [("mlp.activation", spec.mlp.activation, ACTIVATIONS),
                ("dtype", spec.dtype, DTYPES),
+               ("quantization.method", spec.quantization.method, QUANT_METHODS),
                ("checkpoint.source", spec.checkpoint.source, CHECKPOINT_SOURCES),
                ("rope.type", spec.rope.type, ROPE_TYPES)]
     if spec.rope_local is not None:
@@ -436,6 +451,8 @@ def _validate(spec: ModelSpec, fail) -> None:
     rotary = int(a.head_dim * spec.rope.partial_rotary_factor)
     if rotary % 2:
         fail("rope.partial_rotary_factor", f"rotary dim {rotary} must be even")
+    if spec.quantization.group_size <= 0 or spec.quantization.group_size % 32:
+        fail("quantization.group_size", f"must be a positive multiple of 32, got {spec.quantization.group_size}")
     ck = spec.checkpoint
     if ck.source == "hf" and not ck.path:
         fail("checkpoint.path", "source 'hf' needs a path to a safetensors directory")

@@ -23,6 +23,7 @@ class EngineConfig:
     cuda_graphs: bool = False               # replay captured decode steps (device='cuda', flashinfer)
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
+    quantization: str | None = None         # override of the spec's quantization.method (models/quant_load.py)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
     # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...} (runtime/spec_decode);
     # None: the spec's `speculative:` section, if any. {"method": None} turns that off.
@@ -55,6 +56,10 @@ class EngineConfig:
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not isinstance(self.prepack_weights, bool):
             raise ValueError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
+        if self.quantization is not None:
+            from models.spec import QUANT_METHODS
+            if self.quantization not in QUANT_METHODS:
+                raise ValueError(f"quantization must be one of {', '.join(QUANT_METHODS)}, got {self.quantization!r}")
         if self.cuda_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={self.device!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -34,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
+    ap.add_argument("--quantization", default=None, help="linear weights: none, gguf, int8, int4, int4_asym "
+                    "(default: the spec's quantization.method; models/quant_load.py)")
     ap.add_argument("--beam-width", type=int, default=0, help="beam search with this many beams (greedy sampling off)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         llm = LLM(args.model, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                   compile=args.compile, compile_cache_dir=args.compile_cache_dir,
                   attention_backend=args.attention_backend, device=args.device, dtype=args.dtype,
-                  prepack_weights=not args.no_prepack_weights)
+                  prepack_weights=not args.no_prepack_weights, quantization=args.quantization)
         print(f"[loaded in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)
         prompts = args.prompt
         tok = llm.get_tokenizer()

@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
     ap.add_argument("--speculative-config", default=None,
                     help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
+    ap.add_argument("--quantization", default=None, help="linear weights: none, gguf, int8, int4, int4_asym "
+                    "(default: the spec's quantization.method; models/quant_load.py)")
     ap.add_argument("--tool-call-parser", default=None,
                     help="how tool calls are found in the model's text for tool_choice auto (hermes); "
                          "default: the spec's tool_parser")
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                               kv_remote_tier_url=args.kv_remote_tier_url, kv_tier_salt=args.kv_tier_salt,
                               kv_tier_write_through=args.kv_tier_write_through,
                               preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens,
-                              speculative=args.speculative_config)
+                              speculative=args.speculative_config, quantization=args.quantization)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

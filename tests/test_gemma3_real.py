@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tests.conftest import hf_greedy
-from tests.test_parity import NEW, _check_regime
+from tests.test_parity import NEW, _check_regime, gguf_agreement
 
 PROMPTS = [
     "The capital of France is",
@@ -40,3 +40,11 @@ def gemma():
 def test_gemma3_270m_parity(gemma, regime):
     prompts, ref = gemma
     _check_regime("zoo/gemma3-270m.yaml", prompts, ref, regime, {"max_model_len": 1024, **REGIMES[regime]})
+
+
+@pytest.mark.slow   # ~80 s on 2 shared cores: a Gemma-3 engine of its own on top of the fixture's
+def test_gemma3_gguf_blocks_match_hf_on_dequantized_weights(gemma):
+    """Q4_K / Q5_0 / Q6_K / Q8_0 blocks on the quantized kernels vs HF on the dequantized weights."""
+    prompts, ref = gemma
+    equal, first = gguf_agreement("zoo/gemma3-270m.yaml", prompts, ref)
+    assert equal >= 0.95 * len(prompts), first

@@ -20,6 +20,7 @@ from models.builder import CausalLM
 from models.parallel import TPGroup, install_reductions, tp_model
 from models.pipeline import PPStageModel, free_other_stages
 from models.prepack import prepack_linears
+from models.quant_load import apply_quantization
 from runtime.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 log = logging.getLogger("zooinfer")
@@ -30,12 +31,13 @@ class WorkerDiedError(RuntimeError):
 
 
 def load_model(spec, dtype: torch.dtype, device: str, prepack: bool, tp: TPGroup | None = None,
-               pp: TPGroup | None = None):
+               pp: TPGroup | None = None, quantization: str | None = None):
     """The model (this rank's tensor-parallel shard when `tp` has more than one rank; this
     rank's pipeline stage when `pp` has), weights loaded, linears packed when `prepack`,
     row-parallel outputs reduced, other stages' weights dropped."""
     model = build_model(spec, device, dtype, cls=PPStageModel if pp is not None else CausalLM)
     load_weights(model, spec)
+    _quantize(model, spec, quantization, parallel=(tp is not None and tp.size > 1) or pp is not None)
     reduced: list[str] = []
     if tp is not None and tp.size > 1:
         model, reduced = tp_model(model, tp)
@@ -50,6 +52,22 @@ def load_model(spec, dtype: torch.dtype, device: str, prepack: bool, tp: TPGroup
     if pp is not None:
         free_other_stages(model)
     return model
+
+
+def _quantize(model, spec, quantization: str | None, parallel: bool) -> None:
+    """The spec's (or the engine's) quantization (models/quant_load.py). Sharded models keep
+    float weights: asked for explicitly that is an error, a spec default is skipped with a warning."""
+    method = spec.quantization.method if quantization is None else quantization
+    if method == "none":
+        return
+    if parallel:
+        if quantization is not None:
+            raise ValueError(f"quantization {method!r} does not combine with tensor / pipeline parallelism yet")
+        log.warning("%s: quantization %s skipped under tensor / pipeline parallelism (float weights)",
+                    spec.name, method)
+        return
+    done = apply_quantization(model, spec, method)
+    log.info("quantized %d linears (%s)", len(done), ", ".join(sorted(set(done.values()))))
 
 
 class Executor:
@@ -75,7 +93,8 @@ class UniprocExecutor(Executor):
     """The model and its runner in the engine's process (tensor_parallel_size 1)."""
 
     def __init__(self, spec, config, dtype: torch.dtype):
-        self.model = load_model(spec, dtype, config.device, config.prepack_weights)
+        self.model = load_model(spec, dtype, config.device, config.prepack_weights,
+                                quantization=config.quantization)
 
     def init_runner(self, kv_config, **runner_kwargs) -> None:
         self.runner = ModelRunner(self.model, kv_config, **runner_kwargs)

@@ -117,8 +117,8 @@ def _pipeline(config) -> bool:
 def _load(spec, config, dtype, device: str, group: TPGroup):
     """This rank's model: its tensor-parallel shard, or its pipeline stage."""
     if _pipeline(config):
-        return load_model(spec, dtype, device, config.prepack_weights, pp=group)
-    return load_model(spec, dtype, device, config.prepack_weights, tp=group)
+        return load_model(spec, dtype, device, config.prepack_weights, pp=group, quantization=config.quantization)
+    return load_model(spec, dtype, device, config.prepack_weights, tp=group, quantization=config.quantization)
 
 
 def make_runner(model, kv_config, group: TPGroup, config, kwargs: dict) -> ModelRunner:

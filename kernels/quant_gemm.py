@@ -1,0 +1,32 @@
+"""Linears on quantized weights (kernels/cpu/quant_gemm.cpp): the wrappers of its three ops.
+
+The layout (`models.quant.QuantWeight` builds it): w[n, k] = scale[n, k // G] * (q[n, k] - zero)
++ min[n, k // G]; 4-bit weights two per byte (a 32-weight block is 16 bytes, byte j = weight j
+low nibble | weight j + 16 high nibble), 8-bit ones int8. K must be a multiple of 32 and of G.
+
+`isa` picks the instruction path: -1 the best this CPU has (`best_isa`), 0 scalar C++, 1 AVX2 +
+FMA, 2 AVX-512; all are built into the one library (per-function target attributes), so tests
+run each of them here. All need the kernel library (`cpu_build.available()`).
+"""
+from __future__ import annotations
+
+import torch
+
+ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+
+def best_isa() -> int:
+    """The fastest instruction path this CPU runs: 2 (AVX-512 F+BW), 1 (AVX2+FMA) or 0 (scalar)."""
+    return int(torch.ops.zooinfer_cpu.quant_best_isa())
+
+
+def quant_linear(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
+                 bits: int, group: int, zero: int, bias: torch.Tensor | None, isa: int = -1) -> torch.Tensor:
+    """`F.linear(x, W, bias)` for fp32 x [M, K] and the quantized W [N, K] (layout above)."""
+    return torch.ops.zooinfer_cpu.quant_linear(x, qs, scale, minv, bits, group, zero, bias, isa)
+
+
+def dequantize(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int,
+               zero: int, k: int, isa: int = -1) -> torch.Tensor:
+    """W [N, k] in fp32 (each weight `scale * q + (min - zero * scale)`, one FMA)."""
+    return torch.ops.zooinfer_cpu.quant_dequantize(qs, scale, minv, bits, group, zero, k, isa)

@@ -1,0 +1,221 @@
+"""GGUF block formats kept quantized: raw blocks -> `QuantWeight`, and a model's linears from a GGUF.
+
+`from_blocks` repacks one tensor's blocks (as `gguf.GGUFReader` maps them, never dequantized)
+into the layout of models/quant.py: Q4_0 / Q4_1 keep their nibble bytes as they are, Q4_K's
+nibbles are reordered into 32-weight blocks with d * sc as scale and -(dmin * m) as min,
+Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 become int8 (their 5/6/8-bit values, zero point subtracted where
+the format has one). Scales are computed with gguf's own numpy operations, so `dequantize()`
+equals `gguf.quants.dequantize` bit for bit (tests/test_quant.py).
+
+`quantize_from_gguf` swaps each `nn.Linear` of a built model whose checkpoint tensors are
+quantized in the GGUF for a `QuantLinear`. The model's float weights must already be loaded
+(the embedded checkpoints are this GGUF dequantized once, models/embedded.py): every quantized
+weight is checked to decode to exactly them, which proves the name mapping (gguf's own
+`TensorNameMap`) and the row order (llama's q/k permutation, undone as transformers does).
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import torch
+from torch import nn
+
+from models.quant import QuantLinear, QuantWeight, concat_rows, pack_nibbles
+
+QK = 32       # weights per block of the legacy formats
+QK_K = 256    # per super-block of the K-quants
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _t(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _low_high(qs: np.ndarray) -> np.ndarray:
+    """Legacy formats: 16 bytes -> 32 nibble values (low nibbles first), [nb, 32] uint8."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bit(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1: the uint32 of high bits -> bit j of weight j, [nb, 32] uint8."""
+    bits = np.ascontiguousarray(qh).view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+    return (bits & 1).astype(np.uint8)
+
+
+def from_blocks(raw: np.ndarray, qtype: int, k: int, fmt: str = "") -> QuantWeight | None:
+    """One tensor's GGUF blocks, uint8 [n, bytes per row], as a `QuantWeight` [n, k]; None for a
+    type this module does not handle (float tensors, other quant types: the caller keeps float)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+    qtype = T(qtype)
+    fmt = fmt or qtype.name
+    if qtype not in _repack_table():
+        return None
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = raw.shape[0]
+    if k % block or raw.shape[1] != k // block * size:
+        raise ValueError(f"{fmt}: {raw.shape[1]} bytes per row do not hold {k} weights")
+    blocks = np.ascontiguousarray(raw).reshape(-1, size)
+    bits, group, zero, q, scale, minv = _repack_table()[qtype](blocks)
+    nb = k // group
+    if bits == 4 and q.shape[-1] == 16:   # already nibble bytes in the 32-weight block order
+        qs = _t(q.reshape(n, k // 2))
+    else:
+        q = _t(q.reshape(n, k))
+        qs = pack_nibbles(q) if bits == 4 else q.view(torch.int8)
+    return QuantWeight(bits, group, zero, qs.contiguous(), _t(scale.reshape(n, nb)),
+                       None if minv is None else _t(minv.reshape(n, nb)), k, fmt)
+
+
+def _q4_0(b):   # nibble bytes kept as they are: Q4_0's order is ours
+    return 4, QK, 8, b[:, 2:], _f16(b[:, :2]), None
+
+
+def _q4_1(b):
+    return 4, QK, 0, b[:, 4:], _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b):
+    q = (_low_high(b[:, 6:]) | (_fifth_bit(b[:, 2:6]) << 4)).astype(np.int8) - np.int8(16)
+    return 8, QK, 0, q.view(np.uint8), _f16(b[:, :2]), None
+
+
+def _q5_1(b):
+    q = _low_high(b[:, 8:]) | (_fifth_bit(b[:, 4:8]) << 4)
+    return 8, QK, 0, q, _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q8_0(b):
+    return 8, QK, 0, b[:, 2:], _f16(b[:, :2]), None
+
+
+def _k_scales(b):
+    """Q4_K / Q5_K: per 32-weight group, scale d * sc and min -(dmin * m), as gguf computes them."""
+    from gguf.quants import Q4_K
+    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
+    sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
+    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+
+
+def _k_nibbles(qs):
+    """K-quants: per 64 weights 32 bytes, low nibbles = weights 0..31, high = 32..63; [nb, 256]."""
+    qs = qs.reshape(qs.shape[0], -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (qs & 0x0F).reshape(qs.shape[0], -1)
+
+
+def _q4_k(b):
+    scale, minv = _k_scales(b)
+    return 4, QK, 0, _k_nibbles(b[:, 16:]), scale, minv
+
+
+def _q5_k(b):
+    scale, minv = _k_scales(b)
+    qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    q = _k_nibbles(b[:, 48:]) | ((qh & 1).reshape(b.shape[0], -1) << 4)
+    return 8, QK, 0, q, scale, minv
+
+
+def _q6_k(b):
+    n = b.shape[0]
+    ql, qh = b[:, :128], b[:, 128:192]
+    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    d = _f16(b[:, 208:210])
+    ql = (ql.reshape(n, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    qh = (qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
+    q = (ql.reshape(n, -1, 32) | (qh.reshape(n, -1, 32) << 4)).astype(np.int8) - np.int8(32)
+    return 8, 16, 0, q.view(np.uint8).reshape(n, -1), d * scales, None
+
+
+@functools.cache
+def _repack_table() -> dict:
+    """GGMLQuantizationType -> its block repacker."""
+    from gguf import GGMLQuantizationType as T
+    return {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q5_0: _q5_0, T.Q5_1: _q5_1, T.Q8_0: _q8_0,
+            T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+
+
+def _llama_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The row permutation transformers undoes for llama's q / k (`_reverse_permute_weights`)."""
+    dim = rows // heads // 2
+    return torch.arange(rows).view(heads, dim, 2).transpose(1, 2).reshape(rows)
+
+
+class GGUFLinears:
+    """The quantized tensors of one GGUF file, found by checkpoint (HF) tensor name."""
+
+    def __init__(self, path):
+        import gguf
+        self.path = path
+        self.reader = gguf.GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.arch = self.reader.fields["general.architecture"].contents()
+        blocks = self.reader.fields[f"{self.arch}.block_count"].contents()
+        archs = {name: enum for enum, name in gguf.MODEL_ARCH_NAMES.items()}
+        if self.arch not in archs:
+            raise ValueError(f"{path}: GGUF architecture {self.arch!r} is not known to the gguf package")
+        self.names = gguf.get_tensor_name_map(archs[self.arch], blocks)
+        heads = f"{self.arch}.attention.head_count"
+        self.heads = self.reader.fields[heads].contents() if heads in self.reader.fields else None
+        kv = f"{self.arch}.attention.head_count_kv"
+        self.kv_heads = self.reader.fields[kv].contents() if kv in self.reader.fields else self.heads
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        if hf_name == "lm_head.weight" and "output.weight" not in self.tensors:
+            return "token_embd.weight"     # a tied head: the GGUF keeps only the embedding
+        name = self.names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        return name if name in self.tensors else None
+
+    def weight(self, hf_name: str) -> QuantWeight | None:
+        """The tensor as a `QuantWeight` in the checkpoint's row order; None if absent or float."""
+        name = self.gguf_name(hf_name)
+        if name is None:
+            return None
+        t = self.tensors[name]
+        k = int(t.shape[0])     # ggml dims are innermost first: [K, N]
+        qw = from_blocks(np.asarray(t.data).reshape(int(t.shape[1]), -1), int(t.tensor_type), k)
+        if qw is not None and self.arch == "llama" and self.heads and name.endswith((".attn_q.weight", ".attn_k.weight")):
+            qw = qw.take_rows(_llama_row_order(qw.n, self.heads if "attn_q" in name else self.kv_heads))
+        return qw
+
+
+@torch.no_grad()
+def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True) -> dict[str, str]:
+    """Replace the linears whose checkpoint tensors are quantized in the GGUF at `path` by
+    `QuantLinear`s; returns {module name: format}. Raises ValueError, leaving the model as it was,
+    when a quantized tensor does not decode to exactly the loaded float weight (a wrong mapping
+    would otherwise run silently)."""
+    src = GGUFLinears(path)
+    sources = dict(model.weight_sources())
+    if lm_head and "lm_head.weight" not in sources:
+        sources["lm_head.weight"] = [("lm_head.weight", 0, model.lm_head.weight.shape[0])]
+    done: dict[str, str] = {}
+    swaps: list[tuple[str, QuantLinear]] = []
+    for param, parts in sources.items():
+        module_name = param.removesuffix(".weight")
+        if not param.endswith(".weight") or (module_name == "lm_head" and not lm_head):
+            continue
+        module = model.get_submodule(module_name)
+        if type(module) is not nn.Linear or any(len(part) > 3 and part[3] for part in parts):
+            continue
+        pieces = [src.weight(part[0]) for part in parts]
+        if any(p is None for p in pieces):
+            continue
+        for (hf_name, offset, rows, *_), qw in zip(parts, pieces):
+            # ~64 rows spread over the tensor: any wrong name or row order shows there
+            sample = torch.arange(0, rows, max(1, rows // 64))
+            want = module.weight[offset: offset + rows][sample].float()
+            if (qw.n != rows or qw.k != want.shape[1]
+                    or not torch.equal(qw.take_rows(sample).dequantize(), want)):
+                raise ValueError(f"{path}: GGUF tensor {src.gguf_name(hf_name)} ({qw.fmt}) does not decode to the "
+                                 f"checkpoint's {hf_name}; the name mapping or row order is wrong")
+        qw = concat_rows(pieces)
+        bias = module.bias.detach() if module.bias is not None else None
+        swaps.append((module_name, QuantLinear(qw, bias)))
+    for module_name, linear in swaps:   # only once every tensor checked: a refused GGUF changes nothing
+        parent_name, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+        done[module_name] = linear.fmt
+    return done
