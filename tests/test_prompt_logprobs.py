@@ -1,6 +1,7 @@
 """Prompt logprobs (runtime/worker/prompt_logprobs.py): each prompt token's logprob, rank and
 top-k equal HF's full forward; chunked prefill, preemption and n > 1 give the same entries;
-a request asking for them is never served by the prefix cache, and leaks no block."""
+a request asking for them is never served by the prefix cache, and leaks no block. Runs that
+batch the prompt differently agree on every token and rank and to fp32 rounding in value."""
 from __future__ import annotations
 
 import pytest
@@ -40,6 +41,20 @@ def _entries(out, prompt):
     return chosen, ranks, tops
 
 
+def _assert_same(a, b):
+    """Two requests' prompt logprobs: the same tokens with the same ranks at every position, and
+    logprobs equal to fp32 rounding (a chunk's GEMMs reduce in another order than the whole
+    prompt's, so the last bits may differ)."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        if x is None or y is None:
+            assert x is None and y is None
+            continue
+        assert list(x) == list(y) and [v.rank for v in x.values()] == [v.rank for v in y.values()]
+        torch.testing.assert_close(torch.tensor([v.logprob for v in x.values()]),
+                                   torch.tensor([v.logprob for v in y.values()]), atol=1e-5, rtol=0)
+
+
 def _run(path, prompts, params, **engine):
     llm = LLM(path, **engine)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -61,7 +76,7 @@ def test_prompt_logprobs_equal_hf_and_chunking_changes_nothing(llama):
     for chunk in (16, 7):
         llm, chunked = _run(path, prompts, params, max_num_batched_tokens=chunk, max_num_seqs=3)
         for a, b in zip(whole, chunked):
-            assert b.prompt_logprobs == a.prompt_logprobs     # Logprob dataclasses: exact values
+            _assert_same(b.prompt_logprobs, a.prompt_logprobs)
             assert b.outputs[0].token_ids == a.outputs[0].token_ids
         stats = llm.kv_cache_stats()
         assert stats["num_free_blocks"] == stats["num_blocks"]
@@ -94,10 +109,12 @@ def test_prompt_logprobs_with_samples_and_preemption(llama):
     llm, tight = _run(path, prompts, params, num_kv_blocks=6, max_num_batched_tokens=16,
                      max_model_len=64, enable_prefix_caching=False)
     assert llm.kv_cache_stats()["num_preemptions"] > 0
-    assert [o.prompt_logprobs for o in tight] == [o.prompt_logprobs for o in ref]
+    for a, b in zip(tight, ref):
+        _assert_same(a.prompt_logprobs, b.prompt_logprobs)
     sampled = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=4, prompt_logprobs=2)
     llm, outs = _run(path, prompts[:1], sampled)
-    assert len(outs[0].outputs) == 3 and outs[0].prompt_logprobs == ref[0].prompt_logprobs
+    assert len(outs[0].outputs) == 3
+    _assert_same(outs[0].prompt_logprobs, ref[0].prompt_logprobs)
     stats = llm.kv_cache_stats()
     assert stats["num_free_blocks"] == stats["num_blocks"]
 
