@@ -305,9 +305,11 @@ class Scheduler:
                     req.num_computed_tokens = 0
                     # A hit pins its checkpoint pages for the step: a request that only fits
                     # the pool without them would otherwise retry the same hit forever. While
-                    # others run, their blocks come back, so the hit is worth another try.
+                    # others run, their blocks come back, so the hit is worth another try;
+                    # with none running, nothing will: retry at once, without the hit.
                     if not self.running:
                         self.no_hit.add(req.request_id)
+                        continue
                 if self._reclaim_held_waiting(keep=req.request_id) or self._preempt_idle(out):
                     continue
                 break
