@@ -9,7 +9,7 @@ import pytest
 
 from runtime import LLM, SamplingParams
 from tests.conftest import TINY_VOCAB, hf_greedy
-from tests.test_parity import NEW, REGIMES, _check_regime, _prompts
+from tests.test_parity import NEW, REGIMES, _check_regime, _prompts, tiny_reference
 
 HYBRID_REGIMES = {**{k: v for k, v in REGIMES.items() if k != "preempt"},
                   "chunked": dict(max_num_batched_tokens=7)}     # chunks off block edges
@@ -19,11 +19,7 @@ PREEMPT_BLOCKS = {"mistral": 12, "gemma3": 40, "bamba": 24, "qwen3_next": 24, "g
 
 @pytest.fixture(scope="module", params=["mistral", "gemma3", "bamba", "qwen3_next", "granite"])
 def tiny(request, tiny_hf):
-    path, model = tiny_hf(request.param)
-    prompts = _prompts(TINY_VOCAB)
-    ref = hf_greedy(model, prompts, NEW)
-    assert len({tuple(r) for r in ref}) == len(ref), "reference outputs must vary"
-    return request.param, path, prompts, ref
+    return (request.param, *tiny_reference(tiny_hf, request.param))
 
 
 @pytest.mark.parametrize("regime", list(HYBRID_REGIMES) + ["preempt"])

@@ -21,6 +21,16 @@ def _prompts(vocab: int, seed: int = 1) -> list[list[int]]:
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in LENGTHS]
 
 
+def tiny_reference(tiny_hf, family: str) -> tuple:
+    """(checkpoint path, prompts, HF greedy tokens) of conftest's tiny `family` model; the
+    references must vary across prompts, or a parity pass would mean nothing."""
+    path, model = tiny_hf(family)
+    prompts = _prompts(TINY_VOCAB)
+    ref = hf_greedy(model, prompts, NEW)
+    assert len({tuple(r) for r in ref}) == len(ref), "reference outputs must vary"
+    return path, prompts, ref
+
+
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
 
 REGIMES = {
@@ -53,10 +63,7 @@ def _check_all_free(llm: LLM) -> None:
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def tiny(request, tiny_hf):
-    path, model = tiny_hf(request.param)
-    prompts = _prompts(TINY_VOCAB)
-    ref = hf_greedy(model, prompts, NEW)
-    assert len({tuple(r) for r in ref}) == len(ref), "reference outputs must vary"
+    path, prompts, ref = tiny_reference(tiny_hf, request.param)
     assert all(len(set(r)) > 4 for r in ref), "reference collapsed to a repeated token"
     return path, prompts, ref
 

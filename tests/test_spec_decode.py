@@ -20,7 +20,7 @@ from runtime.spec_decode.config import SpeculativeConfig
 from runtime.spec_decode.proposer import NgramProposer, Proposer
 from runtime.spec_decode.rejection import layout, verify
 from tests.conftest import TINY_VOCAB, hf_greedy
-from tests.test_parity import NEW, _prompts
+from tests.test_parity import NEW, _prompts, tiny_reference
 
 K = 4
 SPEC = {"method": "ngram", "num_speculative_tokens": K, "adaptive": False}
@@ -82,11 +82,7 @@ REGIMES = {"default": dict(), "chunked": dict(max_num_batched_tokens=5),
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, tiny_hf):
-    path, model = tiny_hf(request.param)
-    prompts = _prompts(TINY_VOCAB)
-    ref = hf_greedy(model, prompts, NEW)
-    assert len({tuple(r) for r in ref}) == len(ref), "reference outputs must vary"
-    return request.param, path, prompts, ref
+    return (request.param, *tiny_reference(tiny_hf, request.param))
 
 
 @pytest.mark.parametrize("regime", list(REGIMES))
