@@ -25,7 +25,7 @@ import torch
 
 from attention.compressed_plan import EntryPart, EntryPlan, RowsPlan
 from attention.context import get_forward_context
-from attention.mla import SCORE_BYTES, MLAPlan
+from attention.mla import SCORE_BYTES, MLAPlan, scatter_tile
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -155,11 +155,7 @@ def compressed_attend(q: torch.Tensor, kv: torch.Tensor, rows: torch.Tensor | No
             o = torch.bmm(probs[..., :window].reshape(n, r * num_heads, -1), keys).view(n, r, num_heads, dim)
             if csa:
                 o = o + torch.einsum("nrhk,nrkd->nrhd", probs[..., window:], chosen)
-            if part.valid is None:
-                out[index.reshape(-1)] = o.reshape(-1, num_heads, dim)
-            else:
-                valid = part.valid[:, q0: q0 + tile]
-                out[index[valid]] = o[valid]
+            scatter_tile(out, o, index, part.valid, q0, tile)
     return out
 
 

@@ -75,12 +75,19 @@ def mla_attend(q: torch.Tensor, entries: torch.Tensor, kv_cache: torch.Tensor, l
             scores = scores.masked_fill(~part.mask[:, 0, q0: q0 + tile, None], float("-inf"))
             probs = scores.softmax(dim=-1).to(q.dtype).view(n, rows * num_heads, -1)
             o = torch.bmm(probs, keys[..., :latent_dim]).view(n, rows, num_heads, latent_dim)
-            if part.valid is None:
-                out[index.reshape(-1)] = o.reshape(-1, num_heads, latent_dim)
-            else:
-                valid = part.valid[:, q0: q0 + tile]
-                out[index[valid]] = o[valid]
+            scatter_tile(out, o, index, part.valid, q0, tile)
     return out
+
+
+def scatter_tile(out: torch.Tensor, o: torch.Tensor, index: torch.Tensor, valid: torch.Tensor | None,
+                 q0: int, tile: int) -> None:
+    """Write one query tile's outputs o [n, rows, heads, dim] to their tokens' rows of `out`
+    (`index` [n, rows]); a part with padded rows (`valid` [n, all rows]) writes only the real ones."""
+    if valid is None:
+        out[index.reshape(-1)] = o.reshape(-1, *out.shape[1:])
+    else:
+        rows = valid[:, q0: q0 + tile]
+        out[index[rows]] = o[rows]
 
 
 @torch.library.custom_op("zooinfer::mla_attention", mutates_args=("kv_cache",))
