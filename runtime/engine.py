@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from cache.kv_dtype import check_specs as check_kv_specs, resolve_kv_cache_dtype
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
 from kernels import cpu_features
@@ -76,6 +77,7 @@ class Engine:
         if dtype_name not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
         dtype = DTYPES[dtype_name]
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device)   # K/V pages only
         torch.manual_seed(config.seed)
         ckpt = checkpoint_dir(spec)
         phase("spec")
@@ -99,8 +101,10 @@ class Engine:
         self.eos_token_ids = tuple(t for t in eos if 0 <= t < spec.vocab_size)
         phase("tokenizer")
         try:
+            layer_specs = self.model.kv_cache_specs(config.block_size, kv_dtype)
+            check_kv_specs(layer_specs, kv_dtype)
             kv_config = make_kv_cache_config(
-                self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
+                layer_specs, config.block_size,
                 num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
                 min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
                 chunk_tokens=config.max_num_batched_tokens)
@@ -114,7 +118,7 @@ class Engine:
         self.executor.init_runner(kv_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   attention_backend=config.attention_backend, device=config.device,
-                                  kv_dtype=dtype, compile=config.compile,
+                                  kv_dtype=kv_dtype, compile=config.compile,
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
         self.runner = self.executor.runner      # rank 0's runner

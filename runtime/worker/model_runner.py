@@ -110,7 +110,7 @@ class ModelRunner:
                     raise ValueError(f"KV cache groups of dtypes {typed[buf].dtype} and {s.dtype} share "
                                      f"buffer {buf}; one KV dtype per model is supported")
                 item = s.dtype.itemsize
-                pages = typed[buf][:, offset // item: (offset + s.page_size_bytes) // item]
+                pages = typed[buf][:, offset // item: (offset + s.view_bytes()) // item]   # int8: scales follow
                 caches[layer] = pages.view(s.cache_shape(cfg.num_blocks))
         self.kv_buffers = buffers           # the pool's bytes, buffer by buffer (tests, inspection)
         self._copy_spans = [[buffers[buf][:, :used] for buf, used in cfg.group_spans(gid)]
