@@ -31,11 +31,15 @@ def check_kv_cache_dtype(name) -> None:
         raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
 
 
-def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str) -> torch.dtype:
-    """The page dtype for kv_cache_dtype `name` with a model computing in `model_dtype` on `device`."""
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: str, backend: str = "torch") -> torch.dtype:
+    """The page dtype for kv_cache_dtype `name` with a model computing in `model_dtype` on
+    `device` through attention backend `backend`."""
     check_kv_cache_dtype(name)
     if name == "auto":
         return model_dtype
+    if name == "int8" and backend != "torch":
+        raise ValueError(f"kv_cache_dtype int8 needs attention_backend='torch' (the {backend} kernels read no "
+                         f"int8 scales); use bfloat16 or fp8_e4m3 there")
     if name == "fp8_e4m3" and not str(device).startswith("cuda"):
         raise ValueError("kv_cache_dtype fp8_e4m3 needs device='cuda' (no CPU kernel or torch path attends from "
                          "fp8 pages); use bfloat16 or int8 on CPU")
@@ -49,6 +53,8 @@ def check_specs(layer_specs: dict, dtype: torch.dtype) -> None:
         return
     from cache.kv_cache_spec import AttentionSpec, StateSpec
     for layer, spec in sorted(layer_specs.items()):
-        if not isinstance(spec, (AttentionSpec, StateSpec)) or type(spec).cache_shape is not AttentionSpec.cache_shape:
+        if isinstance(spec, StateSpec):     # float32 states whatever the KV dtype
+            continue
+        if not isinstance(spec, AttentionSpec) or type(spec).cache_shape is not AttentionSpec.cache_shape:
             raise ValueError(f"kv_cache_dtype int8: cache {layer} ({type(spec).__name__}) has no per-token scales; "
                              f"int8 pages are for full / sliding attention layers, use bfloat16 for this model")

@@ -77,7 +77,8 @@ class Engine:
         if dtype_name not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
         dtype = DTYPES[dtype_name]
-        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device)   # K/V pages only
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device,
+                                          config.attention_backend)   # K/V pages only
         torch.manual_seed(config.seed)
         ckpt = checkpoint_dir(spec)
         phase("spec")

@@ -14,7 +14,7 @@ from attention import get_backend, kv_quant
 from cache.kv_cache_spec import FullAttentionSpec, MLASpec, StateSpec
 from cache.kv_dtype import check_specs, resolve_kv_cache_dtype
 from cache.sizing import make_kv_cache_config, requests_that_fit
-from kernels import cpu_build
+from kernels import cpu_build, paged_attention
 from tests.test_cpu_prefill import _reference, _step
 
 torch.set_num_threads(1)
@@ -58,6 +58,9 @@ def test_kv_dtype_names_and_one_line_errors():
         resolve_kv_cache_dtype("fp16", torch.float32, "cpu")
     with pytest.raises(ValueError, match="fp8_e4m3 needs device='cuda'"):
         resolve_kv_cache_dtype("fp8_e4m3", torch.float32, "cpu")
+    with pytest.raises(ValueError, match="int8 needs attention_backend='torch'"):
+        resolve_kv_cache_dtype("int8", torch.float32, "cuda", "flashinfer")
+    check_specs({0: StateSpec(16, shapes=(("s", (4, 4)),)), 1: FullAttentionSpec(16, 2, 32, torch.int8)}, torch.int8)
     with pytest.raises(ValueError, match=r"int8: cache 1 \(MLASpec\) has no per-token scales"):
         check_specs({0: FullAttentionSpec(16, 2, 32, torch.int8), 1: MLASpec(16, 32, 8, torch.int8)}, torch.int8)
 
@@ -122,7 +125,13 @@ def test_kernels_on_bf16_and_int8_pages(dtype, heads, kv_heads, dim, window, mon
         k_ref, v_ref = k.to(dtype).float(), v.to(dtype).float()
     ref_cache = values.clone()
     want = _forward(layout, ref_cache, q, k_ref, v_ref, scale)          # float32 kernels
+    calls = []
+    for name in ("paged_decode", "paged_prefill", "write_kv"):
+        fn = getattr(paged_attention, name)
+        monkeypatch.setattr(paged_attention, name, lambda *a, _f=fn, _n=name: calls.append((_n, a[0].dtype)) or _f(*a))
     got = _forward(layout, cache, q, k, v, scale)                        # kernels on dtype pages
+    assert calls == [("write_kv", dtype), ("paged_decode", torch.float32), ("paged_prefill", torch.float32)]
+    monkeypatch.undo()
     decode = torch.from_numpy(np.repeat(np.asarray(MIXED["qlen"]) == 1, MIXED["qlen"]))
     assert torch.isfinite(got).all()
     if dtype == torch.bfloat16:

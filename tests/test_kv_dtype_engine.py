@@ -10,7 +10,7 @@ import torch
 
 from runtime import LLM, SamplingParams
 from tests.test_kv_tiers import TIGHT, chat
-from tests.zoo_parity import assert_all_free
+from tests.zoo_parity import assert_all_free, tight_pool_blocks
 
 torch.set_num_threads(1)
 
@@ -84,14 +84,20 @@ def test_greedy_unchanged_by_chunking_and_hits_per_kv_dtype():
 @pytest.mark.parametrize("name", ["bfloat16", "int8"])
 def test_host_tier_round_trips_pages_exactly(tiny_hf, name):
     """The multi-turn chat of test_kv_tiers with a pool too small for it: evicted pages go to
-    the host tier and come back as hits. The answers equal those of a roomy pool without a tier
-    only if every page came back bit for bit (int8: its scales too, in the same payload)."""
+    the host tier and come back as hits, preempted requests swap out and back in. The answers
+    equal those of a roomy pool without a tier only if every page came back bit for bit (int8:
+    its scales too, in the same payload)."""
     path, _ = tiny_hf("llama")
     want = chat(LLM(path, **TIGHT, num_kv_blocks=400, kv_cache_dtype=name))
-    on = LLM(path, **TIGHT, num_kv_blocks=24, kv_host_tier_bytes=1 << 24, kv_cache_dtype=name)
+    blocks = tight_pool_blocks(path, TIGHT["max_model_len"], TIGHT["max_num_batched_tokens"])
+    on = LLM(path, **TIGHT, num_kv_blocks=blocks, kv_host_tier_bytes=1 << 24, preemption_mode="auto",
+             swap_min_tokens=24, kv_cache_dtype=name)
     assert chat(on) == want
-    t = on.kv_cache_stats()["kv_tiers"]
+    st = on.kv_cache_stats()
+    t = st["kv_tiers"]
+    assert st["evictions"] > 0 and st["num_preemptions"] > 0, "the pool was meant to force eviction and preemption"
     assert t["written_back_blocks"] > 0 and t["tier_hit_tokens"] > 0 and t["tiers"]["host"]["hits"] > 0
+    assert t["swapped_in"] > 0 and t["swapped_in"] + t["swap_fallbacks"] == t["swapped_out"]
     cfg = on.engine.kv_manager.config
     assert cfg.groups[0].spec.dtype == {"bfloat16": torch.bfloat16, "int8": torch.int8}[name]
     span = sum(b for _, b in cfg.group_spans(0))
