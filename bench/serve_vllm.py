@@ -3,7 +3,7 @@
     python -m bench.serve_vllm [--targets ours,vllm] [--rounds 2] [--threads 2]
         [--spec zoo/smollm2-135m.yaml] [--model-dir $ZOOINFER_CACHE/smollm2-135m]
         [--baseline DIR] [--num-prompts 48] [--max-concurrency 16] [--input-len 128]
-        [--output-len 64] [--port 8100] [--json out.json]
+        [--output-len 64] [--ours-args FLAGS] [--vllm-args FLAGS] [--port 8100] [--json out.json]
 
 Targets, run one after the other in every round (alternating, so drift on a shared machine
 hits them alike):
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -63,10 +64,11 @@ def server_command(target: str, args, port: int) -> tuple[list[str], Path]:
     if target == "vllm":
         return ([str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir),
                  "--served-model-name", args.name, "--dtype", "float32", "--uvicorn-log-level", "warning",
-                 *common], REPO)
+                 *common, *shlex.split(args.vllm_args)], REPO)
     cwd = Path(args.baseline) if target == "base" else REPO
     quant = [] if target == "ours-quant" else ["--quantization", "none"]
-    return [sys.executable, "-m", "runtime.serve", args.spec, "--served-model-name", args.name, *quant, *common], cwd
+    return ([sys.executable, "-m", "runtime.serve", args.spec, "--served-model-name", args.name, *quant, *common,
+             *shlex.split(args.ours_args)], cwd)
 
 
 def server_env(threads: int) -> dict:
@@ -84,7 +86,10 @@ class Server:
         cmd, cwd = server_command(target, args, port)
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=server_env(args.threads), stdout=self.log,
+        env = server_env(args.threads)
+        if target in ("ours", "ours-quant"):
+            env.update(kv.split("=", 1) for kv in args.ours_env)
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout: float, name: str) -> float:
@@ -219,6 +224,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, default=None, help="the HF folder vLLM serves and tokenizes with")
     p.add_argument("--name", default="smollm2-135m", help="the served model name, the same for every target")
     p.add_argument("--baseline", default=None, help="checkout the `base` target's server starts from")
+    p.add_argument("--ours-args", default="", help="more flags for runtime.serve (ours, ours-quant, base); "
+                   "the last of a repeated flag wins, e.g. --max-num-batched-tokens 512")
+    p.add_argument("--vllm-args", default="", help="more flags for vllm serve")
+    p.add_argument("--ours-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment for ours and ours-quant only (not base): A/B an environment change")
     p.add_argument("--num-prompts", type=int, default=48)
     p.add_argument("--max-concurrency", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
@@ -239,6 +249,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("the vllm peer venv is missing (python -m bench.peers.setup vllm): its client runs every target")
     if not (args.model_dir / "config.json").exists():
         p.error(f"--model-dir: no config.json in {args.model_dir}")
+    if any("=" not in kv for kv in args.ours_env):
+        p.error("--ours-env: expected KEY=VALUE")
     if args.rounds < 1 or args.threads < 1:
         p.error("--rounds and --threads must be positive")
     args.targets = targets

@@ -15,12 +15,14 @@ requests never hang on a dead engine.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from runtime.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
@@ -95,6 +97,8 @@ class AsyncEngine:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="zooinfer-engine", daemon=True)
         self._pending: list[tuple[_Stream, object]] = []    # engine thread: items for the loop, sent by _flush
+        self._tokenizer_pool: ThreadPoolExecutor | None = None    # start(): the tokenizer thread and its copy
+        self._tokenizer = None
         if metrics is not None:   # the per-token series, looked up once (labels() takes a lock each call)
             self._series = tuple(c.labels(metrics.model) for c in (metrics.generation_tokens, metrics.ttft,
                                                                     metrics.itl, metrics.e2e))
@@ -107,6 +111,9 @@ class AsyncEngine:
     def start(self) -> None:
         if self.metrics is not None:   # /metrics has every gauge from the first scrape on
             self.metrics.update_engine_state(self.engine.kv_cache_stats())
+        if self.engine.tokenizer is not None:
+            self._tokenizer = copy.deepcopy(self.engine.tokenizer)
+            self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="zooinfer-tokenize")
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -115,6 +122,8 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if self._tokenizer_pool is not None:
+            self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         if not self._thread.is_alive():
             self.engine.close()     # between steps now: KV tiers persist what the pool caches
 
@@ -131,9 +140,11 @@ class AsyncEngine:
         """Validate and enqueue one request; returns it and its output stream, which
         yields the outputs of all its n samples (`outputs[0].index` says which) as they come.
 
-        Validation (tokenizing included) runs on the engine thread, which owns the
-        tokenizer; a bad request raises ValueError here, before any response has started,
-        and any other failure to admit it raises RequestFailedError (the engine lives on).
+        A text prompt is tokenized first on a thread of its own with its own copy of the
+        tokenizer (`_pretokenize`: a long prompt's encoding does not stall every stream's
+        step); the rest of validation runs on the engine thread. A bad request raises
+        ValueError here, before any response has started, and any other failure to admit
+        it raises RequestFailedError (the engine lives on).
         The stream yields outputs as tokens arrive, the last with finished=True; closing it
         early (client gone, cancellation) aborts the request and frees its blocks.
         """
@@ -143,6 +154,11 @@ class AsyncEngine:
         if request_id in self._streams or "#" in request_id:   # '#' separates sample ids
             raise ValueError(f"request id {request_id!r} is already in use or contains '#'")
         self._streams[request_id] = stream
+        try:
+            prompt = await self._pretokenize(prompt)
+        except BaseException:      # a bad prompt (ValueError) or the client gone: nothing was enqueued
+            self._streams.pop(request_id, None)
+            raise
         self._commands.put(("add", (prompt, params, request_id, cap_max_tokens, priority)))
         self._wake.set()
         try:
@@ -158,6 +174,23 @@ class AsyncEngine:
                 raise first
             raise EngineDeadError(f"engine failed: {first!r}") from first
         return first, self._outputs(request_id, stream)
+
+    async def _pretokenize(self, prompt):
+        """A text prompt (a str, or {"prompt": str, ...} without token ids) as
+        {..., "prompt": text, "prompt_token_ids": ids}, encoded by `Engine.tokenize` on the
+        tokenizer thread with that thread's own tokenizer copy (the engine thread keeps
+        decoding with the original: one tokenizer is never used by two threads). Anything
+        else, and models without a tokenizer, go to the engine as they came."""
+        text_prompt = isinstance(prompt, str) or (isinstance(prompt, dict) and "prompt_token_ids" not in prompt
+                                                  and isinstance(prompt.get("prompt"), str))
+        if not text_prompt or self.engine.tokenizer is None:
+            return prompt
+        if self._tokenizer_pool is None:     # not started (a test driving streams without start())
+            return prompt
+        text, ids = await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_pool, self.engine.tokenize, prompt, self._tokenizer)
+        fields = prompt if isinstance(prompt, dict) else {}
+        return {**fields, "prompt": text, "prompt_token_ids": ids}
 
     async def _outputs(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         open_samples = set(range(len(stream.sample_ids)))

@@ -151,7 +151,9 @@ class Engine:
             self.step()
 
     # ------------------------------------------------------------- requests
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt, tokenizer=None) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; `tokenizer`: a copy of this model's tokenizer to
+        encode with instead (the server tokenizes off the engine thread with its own)."""
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
             text, special = prompt["prompt"], prompt.get("add_special_tokens", True)
         elif isinstance(prompt, str):
@@ -167,7 +169,7 @@ class Engine:
         if self.tokenizer is None:
             raise ParamError("this model has no tokenizer: pass {'prompt_token_ids': [...]}", "prompt")
         check_text(text, "prompt")
-        return text, self.tokenizer.encode(text, add_special_tokens=special)
+        return text, (tokenizer or self.tokenizer).encode(text, add_special_tokens=special)
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                      cap_max_tokens: bool = True, priority: int = 0) -> Request:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -168,3 +169,40 @@ def test_streamed_usage_and_disconnect_free_blocks(engine, reference):
         assert _all_free(engine)
     finally:
         ae.shutdown()
+
+
+def test_text_prompts_are_tokenized_off_the_engine_thread(tmp_path):
+    """A text prompt is encoded on the tokenizer thread, by its own tokenizer copy, to the ids
+    the engine's tokenizer gives; a bad one is refused there with its field, nothing enqueued."""
+    from tests.serving import tiny_chat_spec
+    engine = Engine(tiny_chat_spec(tmp_path), EngineConfig(max_model_len=256))
+    ae = AsyncEngine(engine)
+    ae.start()
+    threads = []
+    encode = ae._tokenizer.encode
+
+    def recorded(*a, **kw):
+        threads.append(threading.current_thread().name)
+        return encode(*a, **kw)
+
+    ae._tokenizer.encode = recorded
+    text = "The quick brown fox jumps over the lazy dog, twice."
+
+    async def run():
+        req, stream = await ae.add_request(text, PARAMS, "t0")
+        chat, chat_stream = await ae.add_request({"prompt": text, "add_special_tokens": False}, PARAMS, "t1")
+        outs = [[o async for o in s][-1] for s in (stream, chat_stream)]
+        with pytest.raises(ValueError, match="prompt: contains a lone UTF-16 surrogate"):
+            await ae.add_request("bad \ud800", PARAMS, "t2")
+        return req, chat, outs
+
+    try:
+        req, chat, outs = asyncio.run(run())
+    finally:
+        ae.shutdown()
+    assert ae._tokenizer is not engine.tokenizer and len(threads) == 2     # the bad one fails before encoding
+    assert all(name.startswith("zooinfer-tokenize") for name in threads)
+    assert req.prompt == text and req.prompt_token_ids == engine.tokenizer.encode(text)
+    assert chat.prompt_token_ids == engine.tokenizer.encode(text, add_special_tokens=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [N_TOKENS, N_TOKENS]
+    assert _all_free(engine) and "t2" not in ae._streams
