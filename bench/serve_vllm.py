@@ -19,7 +19,7 @@ hits them alike):
 
 Each target gets a fresh server per round, one untimed warm-up request that shares no prefix
 with the workload, then vLLM's client (`bench/peers/vllm_bench_client.py`, i.e. `vllm bench
-serve --backend openai --dataset-name random --ignore-eos ...`) with seed `--seed + round`:
+serve --backend openai --dataset-name random --ignore-eos --temperature 0 ...`) with seed `--seed + round`:
 the same prompts for every target in a round, new ones each round, so no pass has prefix-cache
 hits. Every server runs with `--threads` OpenMP threads, max_num_seqs 64 and 2048 batched
 tokens. Prints each run and, per target, the median over rounds of output tok/s, TTFT p50 and
@@ -129,7 +129,7 @@ def client_command(args, port: int, seed: int, result: Path) -> list[str]:
             "--model", args.name, "--tokenizer", str(args.model_dir), "--dataset-name", "random",
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
             "--num-prompts", str(args.num_prompts), "--max-concurrency", str(args.max_concurrency),
-            "--ignore-eos", "--seed", str(seed)]
+            "--ignore-eos", "--temperature", "0", "--seed", str(seed)]   # greedy: each server's default differs
 
 
 def run_offline(args, rnd: int, workdir: Path) -> dict:
