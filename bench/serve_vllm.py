@@ -149,7 +149,9 @@ def run_offline(args, rnd: int, workdir: Path) -> dict:
 
 
 def cpu_split(cpu: dict[str, float], tokens: int) -> dict[str, float]:
-    """CPU ms per output token: the engine thread, the main (asyncio) thread, all the rest."""
+    """CPU ms per output token: the engine thread (with the OpenMP team it started, which
+    inherits its OS name), the main thread (asyncio in runtime.serve and vLLM's API server,
+    everything offline) and all the rest (vLLM's engine-core and worker processes)."""
     engine = sum(v for k, v in cpu.items() if k.endswith("/zooinfer-engine"))    # comm keeps 15 chars
     main = sum(v for k, v in cpu.items() if k.split("/")[0] == k.split("/")[1] and "VLLM" not in k)
     total = sum(cpu.values())
