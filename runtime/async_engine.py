@@ -167,8 +167,11 @@ class AsyncEngine:
         self._streams[request_id] = stream
         try:
             prompt = await self._pretokenize(prompt)
-        except BaseException:      # a bad prompt (ValueError) or the client gone: nothing was enqueued
+        except BaseException as e:      # nothing was enqueued: a bad prompt, a tokenizer bug, the client gone
             self._streams.pop(request_id, None)
+            if isinstance(e, Exception) and not isinstance(e, ValueError):
+                log.exception("request %s could not be tokenized", request_id)
+                raise RequestFailedError(f"request could not be admitted: {type(e).__name__}: {e}") from e
             raise
         self._commands.put(("add", (prompt, params, request_id, cap_max_tokens, priority)))
         self._wake.set()
