@@ -320,7 +320,8 @@ def test_ngram_proposer_batch():
     ({"k": 3}, "speculative.k: unknown field"),
     ({"disable_by_batch_size": 0}, "speculative.disable_by_batch_size: must be a positive integer"),
     ({"method": "mtp"}, "'mtp'"),
-    ({"method": "draft", "model": "zoo/smollm2-135m.yaml"}, "'draft'"),
+    ({"method": "draft"}, "speculative.model: the 'draft' method needs"),
+    ({"method": "ngram", "model": "zoo/smollm2-135m.yaml"}, "speculative.model: only the 'draft' method"),
     ("{not json", "speculative: not valid JSON"),
 ])
 def test_config_errors_name_the_field(value, message):

@@ -1,0 +1,177 @@
+"""Draft-model speculation (runtime/spec_decode/draft.py): lossless with any draft of the
+target's vocabulary, exact acceptance counts when the draft is the target, a hybrid draft's
+state tracked across catch-up and lookahead, no leaked block in any group, and seeded
+sampling that follows the target's distribution.
+
+Drafts: the target itself (every draft accepted), `near` (the target's weights plus noise:
+most drafts accepted, some rejected at every position), and another family's tiny model of
+the same vocabulary (almost nothing accepted).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+from tests.conftest import TINY_VOCAB, hf_greedy
+from tests.test_parity import NEW, _prompts, tiny_reference
+from tests.test_spec_decode import GREEDY, K, _all_free, _run, chi_square
+
+
+def _draft(model, k: int = K, **extra) -> dict:
+    return {"method": "draft", "model": str(model), "num_speculative_tokens": k, "adaptive": False, **extra}
+
+
+@pytest.fixture(scope="module")
+def near(tiny_hf, tmp_path_factory):
+    """family -> a checkpoint of the family's tiny model with every weight perturbed."""
+    made = {}
+
+    def get(family: str, scale: float = 0.05):
+        if family not in made:
+            path, model = tiny_hf(family)
+            g = torch.Generator().manual_seed(7)
+            state = {k: v + scale * v.std() * torch.randn(v.shape, generator=g) if v.is_floating_point() and
+                     v.numel() > 1 else v for k, v in model.state_dict().items()}
+            copy = type(model)(model.config).eval()
+            copy.load_state_dict(state)
+            made[family] = tmp_path_factory.mktemp(f"near-{family}")
+            copy.save_pretrained(made[family])
+        return made[family]
+    return get
+
+
+def _stats(llm) -> dict:
+    return llm.kv_cache_stats()
+
+
+def _partly_accepted(llm) -> None:
+    s = _stats(llm)
+    acc = np.array(s["spec_decode_num_accepted_tokens_per_pos"])
+    assert 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"], s
+    assert (acc > 0).all(), acc           # accepted at every draft position, rejected too
+
+
+def _draft_groups(llm) -> list[int]:
+    """Groups holding a draft layer (cache id past the target's)."""
+    draft = llm.engine.runner.draft
+    return [gid for gid, g in enumerate(llm.engine.kv_manager.config.groups) if max(g.layer_ids) >= draft.offset]
+
+
+@pytest.mark.parametrize("family", ["llama", "bamba"])
+def test_draft_equals_target_accepts_every_draft(tiny_hf, family):
+    """The target as its own draft: every draft accepted. Per request of NEW = 32 tokens and
+    k = 4: the prefill's token, then 6 verified steps of 4 drafts + 1 (31 tokens), then one
+    plain decode (no room for a draft before max_tokens). A hybrid's state survives the
+    draft's lookahead steps exactly, or its drafts would stray."""
+    path, prompts, ref = tiny_reference(tiny_hf, family)
+    llm = LLM(path, speculative=_draft(path))
+    assert _run(llm, prompts) == ref
+    s = _stats(llm)
+    n = len(prompts)
+    assert s["spec_decode_num_drafts"] == 6 * n
+    assert s["spec_decode_num_draft_tokens"] == s["spec_decode_num_accepted_tokens"] == 24 * n
+    assert s["spec_decode_acceptance_rate"] == 1.0
+    assert _draft_groups(llm), "the draft's layers are in the pool's groups"
+    _all_free(llm)
+
+
+def test_another_model_as_draft_changes_nothing(tiny_hf):
+    """Qwen3's tiny model (same vocabulary, unrelated weights, its own KV groups) drafting for
+    Llama: nearly every draft rejected, output identical to HF's."""
+    path, prompts, ref = tiny_reference(tiny_hf, "llama")
+    other, _ = tiny_hf("qwen3")
+    llm = LLM(path, speculative=_draft(other))
+    assert _run(llm, prompts) == ref
+    s = _stats(llm)
+    assert s["spec_decode_num_draft_tokens"] > 0 and s["spec_decode_acceptance_rate"] < 0.2
+    groups = _draft_groups(llm)
+    target_groups = set(range(len(llm.engine.kv_manager.config.groups))) - set(groups)
+    assert groups and target_groups and all(min(llm.engine.kv_manager.config.groups[g].layer_ids)
+                                            >= llm.engine.runner.draft.offset for g in groups)
+    _all_free(llm)
+
+
+REGIMES = {"chunked": dict(max_num_batched_tokens=5),
+           "preempt": dict(num_kv_blocks=12, max_model_len=160, max_num_batched_tokens=16),
+           "prefix": dict(enable_prefix_caching=True)}
+
+
+@pytest.mark.parametrize("regime", list(REGIMES))
+def test_near_draft_greedy_parity(tiny_hf, near, regime):
+    """A good but imperfect draft under chunked prefill, preemption, and prefix caching with a
+    second wave of n = 2 samples: output equal to HF's, drafts accepted and rejected."""
+    path, prompts, ref = tiny_reference(tiny_hf, "llama")
+    llm = LLM(path, speculative=_draft(near("llama")), **REGIMES[regime])
+    assert _run(llm, prompts) == ref
+    if regime == "preempt":
+        assert _stats(llm)["num_preemptions"] > 0
+    if regime == "prefix":
+        params = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW, n=2)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[r, r] for r in ref]
+        assert _stats(llm)["prefix_cache_hits"] > 0
+    _partly_accepted(llm)
+    _all_free(llm)
+
+
+@pytest.mark.parametrize("target, draft", [("llama", "bamba"), ("bamba", "near-bamba"),
+                                           pytest.param("qwen3_next", "bamba", marks=pytest.mark.slow)])
+def test_hybrid_draft(tiny_hf, near, target, draft):
+    """A Mamba2 hybrid as the draft (its state groups in the target's pool), for an attention
+    target, for a Mamba2 target (draft and target state layers of one spec share groups)
+    with prefix caching, and for a Gated DeltaNet + MoE target: output equal to HF's."""
+    path, prompts, ref = tiny_reference(tiny_hf, target)
+    dpath = near("bamba") if draft == "near-bamba" else tiny_hf(draft)[0]
+    llm = LLM(path, speculative=_draft(dpath), enable_prefix_caching=True)
+    assert _run(llm, prompts) == ref
+    assert _run(llm, prompts) == ref          # the second wave hits the prefix cache
+    assert _stats(llm)["prefix_cache_hits"] > 0
+    assert llm.engine.runner.draft.state_groups
+    if draft == "near-bamba":
+        _partly_accepted(llm)
+    _all_free(llm)
+
+
+def test_seeded_sampling_with_a_draft_follows_the_target(tiny_hf, near):
+    """Tokens 1 and 2 of 2400 seeded requests at temperature 1, top_k 4 (16 possible pairs),
+    token 2 drafted by the near draft and verified by rejection sampling: their joint
+    frequency follows the target's p(t1) p(t2 | t1), computed from HF's logits."""
+    path, model = tiny_hf("llama")
+    prompt = _prompts(TINY_VOCAB)[1]
+    topk = 4
+
+    def dist(logits):
+        v, i = logits.topk(topk)
+        return i, torch.softmax(v, -1)
+    with torch.no_grad():
+        i1, p1 = dist(model(torch.tensor([prompt])).logits[0, -1].double())
+        joint, cells = [], []
+        for a, pa in zip(i1.tolist(), p1.tolist()):
+            i2, p2 = dist(model(torch.tensor([prompt + [a]])).logits[0, -1].double())
+            joint += (pa * p2).tolist()
+            cells += [(a, b) for b in i2.tolist()]
+    llm = LLM(path, speculative=_draft(near("llama"), k=2), max_num_seqs=256)
+    n = 2400
+    params = [SamplingParams(temperature=1.0, top_k=topk, max_tokens=3, seed=s) for s in range(n)]
+    outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    index = {c: j for j, c in enumerate(cells)}
+    observed = torch.zeros(len(cells))
+    for o in outs:
+        observed[index[tuple(o.outputs[0].token_ids[:2])]] += 1
+    s = _stats(llm)
+    assert s["spec_decode_num_drafts"] >= n and 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    assert chi_square(observed, torch.tensor(joint, dtype=torch.float32)) < 37.7    # 15 dof, p = 0.001
+    _all_free(llm)
+
+
+def test_draft_config_errors_in_one_line(tiny_hf, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    path, model = tiny_hf("llama")
+    small = LlamaConfig(**{**model.config.to_dict(), "vocab_size": 256})
+    LlamaForCausalLM(small).save_pretrained(tmp_path / "v256")
+    with pytest.raises(ValueError, match=r"^speculative.model: the draft's vocab_size 256 differs"):
+        LLM(path, speculative=_draft(tmp_path / "v256"))
+    with pytest.raises(ValueError, match=r"^speculative.model: .*no such spec file"):
+        LLM(path, speculative=_draft(tmp_path / "missing"))
