@@ -41,6 +41,7 @@ from runtime.scheduler import Scheduler
 from runtime.spec_decode.config import SpeculativeConfig
 from runtime.spec_decode.decoder import SpecDecoder
 from runtime.spec_decode.draft import DraftProposer
+from runtime.spec_decode.mtp_proposer import MTPProposer
 
 log = logging.getLogger("zooinfer")
 
@@ -102,7 +103,7 @@ class Engine:
         layer_specs = self.model.kv_cache_specs(config.block_size, dtype)
         draft = getattr(self.spec_decoder, "proposer", None)
         if isinstance(draft, DraftProposer):      # the draft's layers join the pool after the target's
-            draft.load(dtype, config)
+            draft.load(dtype, config, self.model)
             layer_specs = draft.join_kv_specs(layer_specs, config.block_size, dtype)
         try:
             kv_config = make_kv_cache_config(
@@ -151,7 +152,8 @@ class Engine:
             raise ValueError(f"{where}: not supported with tensor_parallel_size or pipeline_parallel_size > 1 yet")
         if cfg is None:
             return None
-        proposer = DraftProposer(cfg, spec, where) if cfg.method == "draft" else None
+        proposer = DraftProposer(cfg, spec, where) if cfg.method == "draft" else \
+            MTPProposer(cfg, spec, where) if cfg.method == "mtp" else None
         return SpecDecoder(cfg, self.max_model_len, proposer)
 
     def warm_up(self, params: SamplingParams) -> None:

@@ -68,8 +68,5 @@ class SpeculativeConfig:
         if self.method == "draft" and (not isinstance(self.model, str) or not self.model):
             raise ValueError(f"{where}.model: the 'draft' method needs the draft model's zoo spec or "
                              f"checkpoint path, got {self.model!r}")
-        if self.method == "mtp":
-            raise ValueError(f"{where}.method: 'mtp' (the model's multi-token-prediction layers) is not "
-                             "implemented yet; use 'ngram'")
         if self.model is not None and self.method != "draft":
             raise ValueError(f"{where}.model: only the 'draft' method takes a model")

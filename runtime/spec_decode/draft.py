@@ -71,9 +71,11 @@ class DraftModel:
         ids = self.runner.batch.req_ids
         return np.fromiter((self.seen[ids[r]] for r in rows.tolist()), dtype=np.int64, count=len(rows))
 
-    def _forward(self, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray) -> torch.Tensor:
-        """Run the draft on positions [starts[i], starts[i] + lens[i]) of each row (tokens from
-        the row's token ids); returns the final hidden state of each row's last position."""
+    def _forward(self, rows: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+                 hidden: torch.Tensor | None = None, shift: int = 0) -> torch.Tensor:
+        """Run the draft on positions [starts[i], starts[i] + lens[i]) of each row (the tokens
+        `shift` places on in the row's token ids; `hidden`: an MTP head's input per position);
+        returns the final hidden state of each row's last position."""
         r = self.runner
         b, cfg = r.batch, r.kv_config
         cu = np.cumsum(lens)
@@ -88,14 +90,19 @@ class DraftModel:
                                         torch.from_numpy(t.slot_mapping(req_rows, positions))
                                         for g, t in zip(cfg.groups, tables)])
         meta = plan_layers(cfg, step, lambda gid, layout: r.backend.plan(layout, r.device), r.device)
-        ids_t = torch.from_numpy(b.token_ids[req_rows, positions]).to(r.device)
+        ids_t = torch.from_numpy(b.token_ids[req_rows, positions + shift]).to(r.device)
         pos_t = torch.from_numpy(positions).to(r.device)
+        extra = () if hidden is None else (hidden,)
         with set_forward_context(ForwardContext(r.backend, meta[self.offset:], self.state_layers)):
-            hidden = self.model(ids_t, pos_t, r.kv_caches[self.offset:])
+            hidden = self.model(ids_t, pos_t, r.kv_caches[self.offset:], *extra)
         self.num_forwards += 1
         return hidden[torch.from_numpy(cu - 1).to(r.device)]
 
-    def shadow(self, rows: np.ndarray, num_sched: np.ndarray, computed_before: np.ndarray) -> None:
+    def after_step(self) -> None:
+        """After the step's tokens are sampled (an MTP head's hook; a draft model has none)."""
+
+    def shadow(self, rows: np.ndarray, num_sched: np.ndarray, computed_before: np.ndarray,
+               hidden: torch.Tensor | None = None) -> None:
         """In the target's step (before its checkpoints are saved): the committed tokens of
         the step the draft has not computed yet. A speculating row's drafts are not
         committed (they lie past num_tokens) and are left out."""
@@ -180,7 +187,7 @@ class DraftProposer(Proposer):
             raise ValueError(f"{where}.model: the draft's tokenizer differs from the target's "
                              f"({self.spec.name} vs {target_spec.name})")
 
-    def load(self, dtype: torch.dtype, config) -> None:
+    def load(self, dtype: torch.dtype, config, target) -> None:
         from runtime.executor import load_model
         self.model = load_model(self.spec, dtype, config.device, config.prepack_weights)
 

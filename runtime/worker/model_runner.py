@@ -189,7 +189,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------- one step
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.finish_step(self.forward_step(so))
+        out = self.finish_step(self.forward_step(so))
+        if self.draft is not None:    # an MTP head reads the step's hidden states and sampled tokens
+            self.draft.after_step()
+        return out
 
     @torch.inference_mode()
     def forward_step(self, so: SchedulerOutput):
@@ -247,7 +250,7 @@ class ModelRunner:
             hidden = self.graphs.replay(graph_bs, input_ids, positions) if graph_bs else \
                 self.forward(ids_t, pos_t, self.kv_caches)
         if self.draft is not None:    # the draft computes the step's committed tokens before the checkpoints
-            self.draft.shadow(rows, num_sched, seq_lens - num_sched)
+            self.draft.shadow(rows, num_sched, seq_lens - num_sched, hidden)
         self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
         prompt_lps = None
