@@ -15,8 +15,27 @@ import torch
 
 from runtime import LLM, SamplingParams
 from tests.conftest import TINY_VOCAB, hf_greedy
-from tests.test_parity import NEW, _prompts, tiny_reference
+from tests.test_parity import NEW, _prompts
 from tests.test_spec_decode import GREEDY, K, _all_free, _run, chi_square
+
+
+PICK = (0, 2, 3, 5, 7)     # prompts of 1, 16, 17, 40 and 60 tokens (block size 16)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_hf):
+    """family -> (checkpoint, prompts, HF greedy tokens), computed once per module."""
+    done = {}
+
+    def get(family: str):
+        if family not in done:
+            path, model = tiny_hf(family)
+            prompts = [_prompts(TINY_VOCAB)[i] for i in PICK]
+            ref = hf_greedy(model, prompts, NEW)
+            assert len({tuple(r) for r in ref}) == len(ref), "reference outputs must vary"
+            done[family] = (path, prompts, ref)
+        return done[family]
+    return get
 
 
 def _draft(model, k: int = K, **extra) -> dict:
@@ -60,12 +79,12 @@ def _draft_groups(llm) -> list[int]:
 
 
 @pytest.mark.parametrize("family", ["llama", "bamba"])
-def test_draft_equals_target_accepts_every_draft(tiny_hf, family):
+def test_draft_equals_target_accepts_every_draft(reference, family):
     """The target as its own draft: every draft accepted. Per request of NEW = 32 tokens and
     k = 4: the prefill's token, then 6 verified steps of 4 drafts + 1 (31 tokens), then one
     plain decode (no room for a draft before max_tokens). A hybrid's state survives the
     draft's lookahead steps exactly, or its drafts would stray."""
-    path, prompts, ref = tiny_reference(tiny_hf, family)
+    path, prompts, ref = reference(family)
     llm = LLM(path, speculative=_draft(path))
     assert _run(llm, prompts) == ref
     s = _stats(llm)
@@ -77,10 +96,10 @@ def test_draft_equals_target_accepts_every_draft(tiny_hf, family):
     _all_free(llm)
 
 
-def test_another_model_as_draft_changes_nothing(tiny_hf):
+def test_another_model_as_draft_changes_nothing(tiny_hf, reference):
     """Qwen3's tiny model (same vocabulary, unrelated weights, its own KV groups) drafting for
     Llama: nearly every draft rejected, output identical to HF's."""
-    path, prompts, ref = tiny_reference(tiny_hf, "llama")
+    path, prompts, ref = reference("llama")
     other, _ = tiny_hf("qwen3")
     llm = LLM(path, speculative=_draft(other))
     assert _run(llm, prompts) == ref
@@ -99,10 +118,10 @@ REGIMES = {"chunked": dict(max_num_batched_tokens=5),
 
 
 @pytest.mark.parametrize("regime", list(REGIMES))
-def test_near_draft_greedy_parity(tiny_hf, near, regime):
+def test_near_draft_greedy_parity(reference, near, regime):
     """A good but imperfect draft under chunked prefill, preemption, and prefix caching with a
     second wave of n = 2 samples: output equal to HF's, drafts accepted and rejected."""
-    path, prompts, ref = tiny_reference(tiny_hf, "llama")
+    path, prompts, ref = reference("llama")
     llm = LLM(path, speculative=_draft(near("llama")), **REGIMES[regime])
     assert _run(llm, prompts) == ref
     if regime == "preempt":
@@ -118,11 +137,11 @@ def test_near_draft_greedy_parity(tiny_hf, near, regime):
 
 @pytest.mark.parametrize("target, draft", [("llama", "bamba"), ("bamba", "near-bamba"),
                                            pytest.param("qwen3_next", "bamba", marks=pytest.mark.slow)])
-def test_hybrid_draft(tiny_hf, near, target, draft):
+def test_hybrid_draft(tiny_hf, reference, near, target, draft):
     """A Mamba2 hybrid as the draft (its state groups in the target's pool), for an attention
     target, for a Mamba2 target (draft and target state layers of one spec share groups)
     with prefix caching, and for a Gated DeltaNet + MoE target: output equal to HF's."""
-    path, prompts, ref = tiny_reference(tiny_hf, target)
+    path, prompts, ref = reference(target)
     dpath = near("bamba") if draft == "near-bamba" else tiny_hf(draft)[0]
     llm = LLM(path, speculative=_draft(dpath), enable_prefix_caching=True)
     assert _run(llm, prompts) == ref
