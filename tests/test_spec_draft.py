@@ -194,3 +194,23 @@ def test_draft_config_errors_in_one_line(tiny_hf, tmp_path):
         LLM(path, speculative=_draft(tmp_path / "v256"))
     with pytest.raises(ValueError, match=r"^speculative.model: .*no such spec file"):
         LLM(path, speculative=_draft(tmp_path / "missing"))
+
+
+def test_yaml_section_names_the_draft_relative_to_the_spec(tiny_hf, reference, tmp_path):
+    """A zoo YAML's `speculative:` section with a draft path relative to the YAML file."""
+    import shutil
+
+    import yaml
+    from models import resolve_spec
+    from models.spec import spec_to_dict
+    path, prompts, ref = reference("llama")
+    shutil.copytree(tiny_hf("qwen3")[0], tmp_path / "drafts" / "qwen3")
+    data = spec_to_dict(resolve_spec(path))
+    data["checkpoint"]["path"] = str(path)
+    data["speculative"] = {"method": "draft", "model": "drafts/qwen3", "num_speculative_tokens": 2}
+    f = tmp_path / "spec.yaml"
+    f.write_text(yaml.safe_dump(data))
+    llm = LLM(str(f))
+    assert llm.engine.runner.draft is not None
+    assert _run(llm, prompts[:2]) == ref[:2]
+    assert _stats(llm)["spec_decode_num_draft_tokens"] > 0

@@ -157,9 +157,9 @@ class DraftProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, target_spec, where: str = "speculative"):
         from models import SpecError, resolve_spec
         self.k = config.num_speculative_tokens
-        path = target_spec.resolve_path(config.model) if not Path(config.model).is_absolute() else Path(config.model)
+        path = target_spec.resolve_path(config.model)      # relative to the target's spec file, ...
         if not path.exists() and Path(config.model).exists():
-            path = Path(config.model)        # relative to the working directory
+            path = Path(config.model)                       # ... else to the working directory
         try:
             self.spec = resolve_spec(path)
         except (SpecError, OSError) as e:
