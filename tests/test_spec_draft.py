@@ -214,3 +214,21 @@ def test_yaml_section_names_the_draft_relative_to_the_spec(tiny_hf, reference, t
     assert llm.engine.runner.draft is not None
     assert _run(llm, prompts[:2]) == ref[:2]
     assert _stats(llm)["spec_decode_num_draft_tokens"] > 0
+
+
+def test_rejection_with_a_proposal_distribution_follows_the_target():
+    """Drafts drawn from q, verified with q (rejection.verify's `proposal`): the emitted token
+    follows p, and a draft is accepted with probability sum(min(p, q))."""
+    from runtime.spec_decode.rejection import verify
+    vocab, r = 6, 20000
+    g = torch.Generator().manual_seed(0)
+    p0, p1, q0 = (torch.softmax(torch.randn(vocab, generator=g), 0) for _ in range(3))
+    drafts = torch.multinomial(q0, r, replacement=True, generator=g).numpy()[:, None]
+    probs = torch.stack([p0, p1]).repeat(r, 1)
+    proposal = torch.stack([q0, torch.zeros(vocab)]).repeat(r, 1)
+    torch.manual_seed(1)
+    emitted, acc = verify(probs.argmax(-1), probs, np.zeros(r, dtype=bool), drafts, np.ones(r, dtype=np.int64),
+                          {}, proposal)
+    assert chi_square(torch.bincount(torch.from_numpy(emitted[:, 0]), minlength=vocab).float(), p0) < 20.5
+    assert abs(acc.mean() - float(torch.minimum(p0, q0).sum())) < 0.02
+    assert chi_square(torch.bincount(torch.from_numpy(emitted[acc == 1, 1]), minlength=vocab).float(), p1) < 20.5

@@ -24,10 +24,12 @@ state are exact for positions below). Two places run it:
   stands at the committed tokens; its KV past them is lookahead, overwritten when the next
   catch-up computes the committed tokens there.
 
-Drafts are greedy (the draft's argmax): a point-mass proposal, which is exactly what the
-rejection sampler verifies (runtime/spec_decode/rejection.py), so sampled requests stay
-lossless too. The lookahead slots (num_tokens + k - 1 tokens) are allocated before the
-draft runs; a request the pool has no room for proposes nothing this step.
+Greedy requests get the draft's argmax. A sampled request's drafts are drawn from the draft's
+distribution q at the request's temperature (its generator when seeded), and q goes to the
+rejection sampler (`proposal`), which accepts with min(1, p/q) and resamples a rejection from
+norm(max(0, p - q)) (Leviathan et al.), so the output follows the target's distribution.
+The lookahead slots (num_tokens + k - 1 tokens) are allocated before the draft runs; a
+request the pool has no room for proposes nothing this step.
 """
 from __future__ import annotations
 
@@ -55,6 +57,7 @@ class DraftModel:
                              if isinstance(g.spec, StateSpec) and max(g.layer_ids) >= offset}
         self.seen: dict[str, int] = {}          # request id -> tokens the draft has computed
         self.last: dict[str, list[int]] = {}    # request id -> its last drafts (reused when nothing new)
+        self.q: dict[str, torch.Tensor] = {}    # request id -> [k, V] distributions its last drafts came from
         self.num_forwards = 0                   # draft forwards run (tests, bench)
 
     def update_batch(self, so) -> None:
@@ -63,9 +66,46 @@ class DraftModel:
         for rid in (*so.finished_req_ids, *so.preempted_req_ids):
             self.seen.pop(rid, None)
             self.last.pop(rid, None)
+            self.q.pop(rid, None)
         for new in so.new_reqs:
             self.seen[new.req_id] = new.num_computed_tokens
             self.last.pop(new.req_id, None)
+            self.q.pop(new.req_id, None)
+
+    def _pick(self, h: torch.Tensor, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
+        """Each row's next draft: the argmax for greedy requests; for sampled ones a draw from
+        the draft's distribution at the request's temperature (its own generator when seeded),
+        which is returned ([R, V], rows of greedy requests unused) for the rejection sampler."""
+        temp = self.runner.batch.temperature[rows]
+        if not temp.any():
+            return self.model.greedy_head(h, self.model.compute_logits).cpu().numpy(), None
+        logits = self.model.compute_logits(h)
+        t = torch.from_numpy(np.where(temp > 0, temp, 1.0)).to(logits)
+        q = torch.softmax(logits / t[:, None], dim=-1)
+        tok = logits.argmax(-1)
+        hot = torch.from_numpy(np.flatnonzero(temp > 0)).to(logits.device)
+        tok[hot] = torch.multinomial(q[hot], 1).squeeze(1)
+        for i, gen in self.runner.batch.row_generators(rows).items():
+            if temp[i] > 0:
+                tok[i] = torch.multinomial(q[i], 1, generator=gen)[0]
+        return tok.cpu().numpy(), q
+
+    def proposal(self, rows: np.ndarray, nd: np.ndarray, drafts: np.ndarray, vocab: int) -> torch.Tensor | None:
+        """The flat [sum(nd + 1), V] proposal distributions of a verification (rejection.layout
+        order): a sampled draft's q, one-hot at the draft otherwise; None if no draft was sampled."""
+        ids = self.runner.batch.req_ids
+        got = [self.q.get(ids[r]) for r in rows.tolist()]
+        if all(g is None for g in got):
+            return None
+        start = np.cumsum(nd + 1) - (nd + 1)
+        out = torch.zeros(int((nd + 1).sum()), vocab, device=self.runner.device)
+        j = np.arange(drafts.shape[1])[None, :]
+        mask = j < nd[:, None]
+        out[torch.from_numpy((start[:, None] + j)[mask]), torch.from_numpy(drafts[mask])] = 1.0
+        for i, g in enumerate(got):
+            if g is not None and nd[i]:
+                out[start[i]: start[i] + nd[i]] = g[: nd[i]]
+        return out
 
     def _seen(self, rows: np.ndarray) -> np.ndarray:
         ids = self.runner.batch.req_ids
@@ -128,13 +168,15 @@ class DraftModel:
         if not len(fresh):
             return out
         rows, n, ks = rows[fresh], n[fresh], ks[fresh]
-        greedy = self.model.greedy_head
-        tok = greedy(self._forward(rows, seen[fresh], n - seen[fresh]), self.model.compute_logits).cpu().numpy()
+        tok, q0 = self._pick(self._forward(rows, seen[fresh], n - seen[fresh]), rows)
         for i, num in zip(fresh.tolist(), n.tolist()):
             self.seen[req_ids[i]] = num
         kmax = int(ks.max())
         drafts = np.zeros((len(rows), kmax), dtype=np.int64)
         drafts[:, 0] = tok
+        qs = None if q0 is None else torch.zeros(len(rows), kmax, q0.shape[-1], device=q0.device)
+        if qs is not None:
+            qs[:, 0] = q0
         more = np.flatnonzero(ks > 1)
         saved = self.runner.spec_verifier.snapshot(self.runner, rows[more], self.state_groups) \
             if self.state_groups and len(more) else None
@@ -142,11 +184,18 @@ class DraftModel:
             act = np.flatnonzero(ks > j)
             b.token_ids[rows[act], n[act] + j - 1] = drafts[act, j - 1]    # scratch past num_tokens
             h = self._forward(rows[act], n[act] + j - 1, np.ones(len(act), dtype=np.int64))
-            drafts[act, j] = greedy(h, self.model.compute_logits).cpu().numpy()
+            drafts[act, j], qj = self._pick(h, rows[act])
+            if qj is not None:
+                qs[torch.from_numpy(act), j] = qj
         if saved:
             self.runner.spec_verifier._restore(self.runner, saved, rows[more])
-        for i, d, k in zip(fresh.tolist(), drafts.tolist(), ks.tolist()):
+        sampled = b.temperature[rows] > 0
+        for i, d, k, row in zip(fresh.tolist(), drafts.tolist(), ks.tolist(), range(len(rows))):
             out[i] = self.last[req_ids[i]] = d[:k]
+            if sampled[row]:
+                self.q[req_ids[i]] = qs[row, :k]
+            else:
+                self.q.pop(req_ids[i], None)
         return out
 
 

@@ -103,7 +103,9 @@ class SpecVerifier:
         drafts = b.token_ids[sample_rows[:, None], np.minimum(base[:, None] + np.arange(kmax)[None, :],
                                                               b.token_ids.shape[1] - 1)]
         greedy = b.temperature[sample_rows] == 0
-        emitted, acc = verify(target, probs, greedy, drafts, nd, b.row_generators(sample_rows))
+        q = runner.draft.proposal(sample_rows, nd, drafts, probs.shape[-1]) \
+            if probs is not None and runner.draft is not None else None      # a draft model's q
+        emitted, acc = verify(target, probs, greedy, drafts, nd, b.row_generators(sample_rows), q)
 
         # Commit: accepted drafts + the next token into the rows (external rows get theirs fed).
         own = ~b.external[sample_rows]
