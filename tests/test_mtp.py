@@ -114,7 +114,8 @@ def test_mtp_greedy_equals_no_speculation(mtp_ckpt, kwargs):
 def test_mtp_forward_matches_the_formula(mtp_ckpt):
     """After the prefill, the MTP layer's output at the prompt's last position (its hidden
     state + the sampled token) equals norm(layer(fc(cat(norm_e(embed(t[i+1])), norm_h(h[i])))))
-    written out in torch (RMSNorm by hand, the decoder layer HF's module with the MTP weights)."""
+    written out in torch (RMSNorm by hand, the decoder layer HF's module with the MTP weights),
+    and the k drafts proposed are that formula chained on its own output and drafts."""
     c = mtp_ckpt
     st, model = c.style, c.model
     prompt = c.prompts[2]
@@ -132,15 +133,24 @@ def test_mtp_forward_matches_the_formula(mtp_ckpt):
     def norm(name, x):
         w = c.mtp[st[name] + ".weight"] + (1.0 if c.family == "qwen3_next" else 0.0)
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    def mtp(tokens, hidden):                  # h'[i] from token i+1 and h[i], every position
+        x = torch.cat([norm("norm_e", model.model.embed_tokens(tokens)), norm("norm_h", hidden)], -1)
+        x = (x @ c.mtp[st["fc"] + ".weight"].T)[None]
+        pos = torch.arange(x.shape[1])[None]
+        y = c.layer(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=None, position_ids=pos)
+        return norm("norm", y[0] if isinstance(y, tuple) else y)[0]
     with torch.no_grad():
         hidden = model.model(input_ids=seq).last_hidden_state[0, :-1]        # h[i], final norm applied
-        emb = model.model.embed_tokens(seq[0, 1:])                              # token i+1
-        x = torch.cat([norm("norm_e", emb), norm("norm_h", hidden)], -1) @ c.mtp[st["fc"] + ".weight"].T
-        x, pos = x[None], torch.arange(x.shape[0])[None]
-        y = c.layer(x, position_embeddings=model.model.rotary_emb(x, pos), attention_mask=None, position_ids=pos)
-        want = norm("norm", y[0] if isinstance(y, tuple) else y)[0, -1]
-    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-4)
-    assert draft1 == int(model.lm_head(want).argmax())
+        tokens = seq[0, 1:]
+        want = []
+        for j in range(K):                   # drafts 2..k: h' and the draft as the next position's input
+            out = mtp(tokens, hidden)
+            if j == 0:
+                torch.testing.assert_close(ours, out[-1], atol=1e-4, rtol=1e-4)
+            want.append(int(model.lm_head(out[-1]).argmax()))
+            hidden, tokens = torch.cat([hidden, out[-1:]]), torch.cat([tokens, torch.tensor(want[-1:])])
+    assert draft1 == want[0]
+    assert req.spec_token_ids == want        # the k drafts proposed after the step
     eng.abort(["r"])
 
 

@@ -232,3 +232,16 @@ def test_rejection_with_a_proposal_distribution_follows_the_target():
     assert chi_square(torch.bincount(torch.from_numpy(emitted[:, 0]), minlength=vocab).float(), p0) < 20.5
     assert abs(acc.mean() - float(torch.minimum(p0, q0).sum())) < 0.02
     assert chi_square(torch.bincount(torch.from_numpy(emitted[acc == 1, 1]), minlength=vocab).float(), p1) < 20.5
+
+
+def test_beam_search_unchanged_by_a_draft(reference, near):
+    """Beams never speculate; the draft still follows their forks and frees their blocks."""
+    from runtime.beam_search import BeamSearchParams
+    path, prompts, _ = reference("llama")
+    params = BeamSearchParams(beam_width=3, max_tokens=8)
+    prompt = {"prompt_token_ids": prompts[3]}
+    plain = LLM(path).beam_search([prompt], params)[0]
+    llm = LLM(path, speculative=_draft(near("llama")))
+    got = llm.beam_search([prompt], params)[0]
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in plain.sequences]
+    _all_free(llm)
