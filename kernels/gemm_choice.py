@@ -6,7 +6,7 @@ AMD EPYC Zen 4 MKL runs its AVX2 code, and with one thread (CPU time, 2048 x 576
 other SmolLM2 / tiny Llama prefill shapes) the blocked panel kernel (`gemm.panel_linear_blocked`)
 reached 84-103 GFLOP/s where `F.linear` reached 61-90, and at 64-512 rows even the decode panel
 kernel beat MKL's packed GEMM on weights that stay cached. So instead of a table keyed by CPU
-vendor, `choice()` times the candidates at start-up on two small products (well under a second
+vendor, `choice()` times the candidates at start-up on two small products (about 0.1 s of CPU time
 in all) and keeps the winners:
 - `large`: the kernel for products of more than `prepack.PANEL_MAX_ROWS` rows (prefill chunks):
   "blocked" (the blocked panel kernel on the linear's panels) or "mkl" (`F.linear`), timed at
@@ -14,8 +14,12 @@ in all) and keeps the winners:
 - `panels_in_cache`: whether the panel kernel beat MKL's packed GEMM (`_mkl_linear`) at
   `SMALL_SHAPE` on a cached weight, i.e. whether models whose weights fit the last-level cache
   get panels too (`prepack.choose_kind`).
-Each time is the best of `REPEATS` alternating runs (other load only slows a run down, so the
-best time is the closest to what the kernel does). `ZOOINFER_PREFILL_GEMM=blocked|mkl` forces
+The probe runs on one thread and times each run on that thread's CPU clock (`time.thread_time`),
+best of `REPEATS` alternating runs: on a machine shared with other work the wall clock says more
+about the neighbours than about the kernels (with the load average at 27 on 2 cores, wall-clock
+probes picked either kernel at random), while a thread's CPU time only grows with what it
+executes and the cache misses others cause it. Which kernel is faster per core is what decides;
+the engine's thread count only splits the same work. `ZOOINFER_PREFILL_GEMM=blocked|mkl` forces
 `large` (and with it `panels_in_cache`: blocked needs panels, mkl keeps the cache-size rule);
 the forced value is what tests use to run each path, the fallback included.
 The choice is printed by `kernels.cpu_features.describe()` ("prefill_gemm ...").
@@ -36,7 +40,7 @@ ENV = "ZOOINFER_PREFILL_GEMM"
 CHOICES = ("blocked", "mkl")
 LARGE_SHAPE = (512, 512, 1024)   # (rows, K, N): a prefill-sized product on a 2 MB weight
 SMALL_SHAPE = (32, 512, 1024)    # a decode-sized one on the same weight
-REPEATS = 5
+REPEATS = 7
 
 _lock = threading.Lock()
 _choice: list = []
@@ -55,15 +59,21 @@ class GemmChoice:
 
 
 def _best(fns: dict, flops: int) -> dict[str, float]:
-    """GFLOP/s of each function from its best of REPEATS runs, the functions alternating."""
+    """GFLOP/s of each function from its best of REPEATS runs on one thread (thread CPU time),
+    the functions alternating."""
     best = {name: float("inf") for name in fns}
-    for fn in fns.values():   # first calls allocate and fault pages in: not timed
-        fn()
-    for _ in range(REPEATS):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in fns.values():   # first calls allocate and fault pages in: not timed
             fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
+        for _ in range(REPEATS):
+            for name, fn in fns.items():
+                t0 = time.thread_time()
+                fn()
+                best[name] = min(best[name], max(time.thread_time() - t0, 1e-9))
+    finally:
+        torch.set_num_threads(threads)
     return {name: flops / t / 1e9 for name, t in best.items()}
 
 
@@ -97,8 +107,7 @@ def _measure() -> GemmChoice:
 
 
 def choice() -> GemmChoice:
-    """The measured (or forced) choice; measured on the first call of the process, at the torch
-    thread count of that moment. An invalid ZOOINFER_PREFILL_GEMM is a ValueError naming it."""
+    """The measured (or forced) choice; measured on the first call of the process. An invalid ZOOINFER_PREFILL_GEMM is a ValueError naming it."""
     forced = os.environ.get(ENV, "").strip().lower()
     if forced or not cpu_build.enabled():   # read on every call, so tests can switch paths
         return _measure()

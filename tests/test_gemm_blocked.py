@@ -168,3 +168,13 @@ def test_engine_outputs_identical_on_blocked_and_mkl_prefill(tiny_hf, monkeypatc
         for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             for tok in lb:
                 assert abs(la[tok].logprob - lb[tok].logprob) < 1e-4
+
+
+def test_prefill_bench_shapes_and_arguments():
+    from bench import prefill_gemm
+    smollm2 = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3}
+    assert prefill_gemm.layer_shapes(smollm2) == {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072),
+                                                  "down": (1536, 576)}
+    for bad in (["--rows", "2048,x"], ["--rows", "0"], ["--threads", "0"]):
+        with pytest.raises(SystemExit):
+            prefill_gemm.main(bad)
