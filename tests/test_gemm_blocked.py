@@ -28,7 +28,9 @@ def _one_thread():
 @pytest.mark.parametrize("k", [1, 7, 256, 257, 600])
 def test_blocked_equals_linear(k):
     """Row counts around the 14-row tile and the 16-tile chunk, K around the 256-step block,
-    N around the 32-wide panel; strided and contiguous rows; with and without bias."""
+    N around the 32-wide panel; strided and contiguous rows; with and without bias. Equal to
+    F.linear to fp32 rounding and to the decode panel kernel exactly (so where a product
+    switches kernels at PANEL_MAX_ROWS rows, no row's result changes)."""
     gen = torch.Generator().manual_seed(k)
     for n in (1, 31, 32, 33, 96):
         w = torch.randn(n, k, generator=gen)
@@ -44,6 +46,8 @@ def test_blocked_equals_linear(k):
                     scale = 1.0 + (want.abs().max().item() if want.numel() else 0.0)
                     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale,
                                                msg=f"m={m} k={k} n={n} bias={bias is not None}")
+                    # the same FMA chain per output as the decode kernel: bit for bit
+                    assert torch.equal(got, gemm.panel_linear(x, panels, n, bias)), f"m={m} k={k} n={n}"
 
 
 @needs_kernels

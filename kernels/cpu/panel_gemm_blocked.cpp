@@ -15,9 +15,11 @@
 //   floats (32 KB) are reused by every row tile from L1/L2, the packed x chunk (RB tiles) stays in L2;
 // - threads split the rows (contiguous ranges of row tiles, at::parallel_for), so each packs only its
 //   own x and no thread waits for another; every thread reads all of W (from the last-level cache).
-// The first KC block writes out (bias or zero plus the block's sum), later ones add to it; the last
-// panel's columns past N go through a small stack tile. Sums are over k in increasing order inside
-// each KC block and the blocks in order, so results match F.linear to fp32 rounding, not bit for bit.
+// The first KC block writes out (its sum from zero), later ones add to it, the last adds the bias;
+// the last panel's columns past N go through a small stack tile. Each output is one fp32 FMA chain
+// over k in increasing order, then + bias: the same operations as panel_linear, so the two kernels
+// agree bit for bit (a row's result does not depend on how many rows its product has, nor on the
+// 64-row switch between them); against F.linear they agree to fp32 rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -36,11 +38,12 @@ constexpr int MR = 14;          // rows per register tile: 28 accumulators + 2 p
 constexpr int64_t KC = 256;     // k steps per block: 32 KB of panel, reused by every row tile
 constexpr int64_t RB = 16;      // row tiles per packed chunk: 16 * 12 rows * 256 k * 4 B = 192 KB (L2)
 
-// c[MR, 32] (row stride ldc) = (ACCUM ? c : init) + a_tile[kc, MR] @ panel[kc, 32]. `init`: bias or
-// zeros, 32 floats; `rows` of the tile's MR are stored (the rest are the zero rows past M).
+// c[MR, 32] (row stride ldc) = (ACCUM ? c : 0) + a_tile[kc, MR] @ panel[kc, 32] (+ add, 32 floats,
+// when not null: the bias, after the last k block); `rows` of the tile's MR are stored (the rest
+// are the zero rows past M).
 template <bool ACCUM>
 inline void micro(const float* __restrict a, const float* __restrict b, int64_t kc, float* __restrict c,
-                  int64_t ldc, const float* __restrict init, int rows) {
+                  int64_t ldc, const float* __restrict add, int rows) {
   vf16 c0[MR], c1[MR];
   if (ACCUM) {
     for (int i = 0; i < MR; ++i) {
@@ -52,11 +55,7 @@ inline void micro(const float* __restrict a, const float* __restrict b, int64_t 
       }
     }
   } else {
-    const vf16 i0 = load(init), i1 = load(init + 16);
-    for (int i = 0; i < MR; ++i) {
-      c0[i] = i0;
-      c1[i] = i1;
-    }
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = splat(0.f);
   }
   for (int64_t k = 0; k < kc; ++k) {
     const vf16 b0 = load(b + k * NR), b1 = load(b + k * NR + 16);
@@ -65,6 +64,13 @@ inline void micro(const float* __restrict a, const float* __restrict b, int64_t 
       const vf16 s = splat(ak[i]);
       c0[i] += s * b0;
       c1[i] += s * b1;
+    }
+  }
+  if (add) {
+    const vf16 a0 = load(add), a1 = load(add + 16);
+    for (int i = 0; i < MR; ++i) {
+      c0[i] += a0;
+      c1[i] += a1;
     }
   }
   for (int i = 0; i < MR; ++i) {
@@ -112,9 +118,10 @@ at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, i
   const int64_t ldx = M > 1 ? xc.stride(0) : K;
   const float* pp = panels.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  // Bias (or zeros) padded to whole panels, so the first block's init is two plain loads.
-  std::vector<float> init(static_cast<size_t>(np_ * NR), 0.f);
-  if (b) std::memcpy(init.data(), b, sizeof(float) * n);
+  // The bias padded to whole panels, so adding it is two plain loads per row.
+  std::vector<float> bias_pad(b ? static_cast<size_t>(np_ * NR) : 0, 0.f);
+  if (b) std::memcpy(bias_pad.data(), b, sizeof(float) * n);
+  const float* add = b ? bias_pad.data() : nullptr;
   const int64_t tiles = (M + MR - 1) / MR;
 
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -125,6 +132,7 @@ at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, i
       const int64_t ct = std::min(RB, t1 - c0);
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         const int64_t kc = std::min(KC, K - k0);
+        const bool last = k0 + kc == K && b;   // the bias joins after the whole sum, as in panel_linear
         pack_rows(xp, ldx, M, c0 * MR, ct, k0, kc, ap);
         for (int64_t p = 0; p < np_; ++p) {
           const float* panel = pp + (p * K + k0) * NR;
@@ -133,14 +141,13 @@ at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, i
             const int64_t m = (c0 + t) * MR;
             const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
             const float* a = ap + t * kc * MR;
-            if (w == NR) {
-              if (k0 == 0) micro<false>(a, panel, kc, op + m * n + col, n, init.data() + col, rows);
-              else micro<true>(a, panel, kc, op + m * n + col, n, nullptr, rows);
-            } else {   // the last panel's columns past N: through the stack tile
-              if (k0 != 0)
-                for (int i = 0; i < rows; ++i) std::memcpy(tail + i * NR, op + (m + i) * n + col, sizeof(float) * w);
-              if (k0 == 0) micro<false>(a, panel, kc, tail, NR, init.data() + col, rows);
-              else micro<true>(a, panel, kc, tail, NR, nullptr, rows);
+            float* c = w == NR ? op + m * n + col : tail;   // the last panel's columns past N: the stack tile
+            const int64_t ldc = w == NR ? n : NR;
+            if (w != NR && k0 != 0)
+              for (int i = 0; i < rows; ++i) std::memcpy(tail + i * NR, op + (m + i) * n + col, sizeof(float) * w);
+            if (k0 == 0) micro<false>(a, panel, kc, c, ldc, last ? add + col : nullptr, rows);
+            else micro<true>(a, panel, kc, c, ldc, last ? add + col : nullptr, rows);
+            if (w != NR) {
               for (int i = 0; i < rows; ++i) std::memcpy(op + (m + i) * n + col, tail + i * NR, sizeof(float) * w);
             }
           }
