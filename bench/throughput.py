@@ -14,8 +14,9 @@ EOS ignored. Every engine is fed token ids, never text.
   one `generate` call (continuous batching, chunked prefill, paged KV), in this process.
   Prefix caching is off unless `--prefix-caching`: rounds repeat the same prompts, and a cache
   kept from the previous round would time cache hits, not generation. `--quantization`
-  overrides the spec's method for ours only (the embedded SmolLM2 runs its GGUF blocks by
-  default; the peers run fp32, so `--quantization none` is the like-for-like comparison).
+  overrides the quantization method for ours only (e.g. int8; the peers always run fp32). The
+  `smollm2` checkpoint directory loads as fp32 (no GGUF next to it, so `gguf` is refused
+  there); the zoo spec zoo/smollm2-135m.yaml is the one that defaults to its GGUF blocks.
 - hf:    `AutoModelForCausalLM.generate`, static batches of `--hf-batch` in input order, left
   padding with an attention mask, greedy, default (sdpa) attention, float32.
 - hf-cb: transformers continuous batching `generate_batch` with an explicit
