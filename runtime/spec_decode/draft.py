@@ -50,6 +50,7 @@ class DraftModel:
 
     def __init__(self, runner, model, offset: int):
         self.runner, self.model, self.offset = runner, model, offset
+        self.lm = model                         # whose compute_logits / greedy_head give the drafts
         self.state_layers = model.state_mixers()
         cfg = runner.kv_config
         # State groups holding a draft layer: saved around the draft's lookahead steps.
@@ -78,8 +79,8 @@ class DraftModel:
         which is returned ([R, V], rows of greedy requests unused) for the rejection sampler."""
         temp = self.runner.batch.temperature[rows]
         if not temp.any():
-            return self.model.greedy_head(h, self.model.compute_logits).cpu().numpy(), None
-        logits = self.model.compute_logits(h)
+            return self.lm.greedy_head(h, self.lm.compute_logits).cpu().numpy(), None
+        logits = self.lm.compute_logits(h)
         t = torch.from_numpy(np.where(temp > 0, temp, 1.0)).to(logits)
         q = torch.softmax(logits / t[:, None], dim=-1)
         tok = logits.argmax(-1)
