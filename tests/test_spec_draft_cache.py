@@ -92,3 +92,38 @@ def test_draft_with_another_tokenizer_or_shorter_context_is_refused(tiny_hf, tmp
                                          rf"below the target's {target_len}; lower max_model_len") as e:
         LLM(path, speculative=_draft(short))
     assert "\n" not in str(e.value)
+
+
+def test_blocks_published_after_accepted_drafts_hold_the_drafts_kv(tiny_hf):
+    """The target as its own draft (k = 4, every draft accepted), so the draft's KV must equal
+    the target's at every slot. A request of 26 tokens ends on a step that accepted all 4
+    drafts (1 from the prefill + 5 x 5): the draft never ran on draft 4 and the request never
+    proposes again, yet its published blocks hold the draft's KV of every token. Follow-up
+    requests (prompt = the first's prompt + answer, twice) reuse those blocks and accept
+    every draft, verifying as many as on an engine without prefix caching."""
+    from runtime import SamplingParams
+    from tests.conftest import TINY_VOCAB
+    from tests.test_parity import _prompts
+    from tests.test_spec_decode import GREEDY, _run
+    path, _ = tiny_hf("llama")
+    prompt = _prompts(TINY_VOCAB)[3]
+    llm = LLM(path, speculative=_draft(path), enable_prefix_caching=True)
+    first = _run(llm, [prompt], SamplingParams(temperature=0, max_tokens=26, min_tokens=26))[0]
+    s = llm.kv_cache_stats()
+    assert s["spec_decode_num_drafts"] == 5 and s["spec_decode_num_accepted_tokens"] == 20
+    caches, offset = llm.engine.runner.kv_caches, llm.engine.runner.draft.offset
+    for cid in range(offset):
+        torch.testing.assert_close(caches[offset + cid], caches[cid], atol=1e-4, rtol=1e-4)
+    follow = prompt + first
+    fresh = LLM(path, speculative=_draft(path), enable_prefix_caching=False)
+    base = _run(fresh, [follow])[0]
+    base_drafted = fresh.kv_cache_stats()["spec_decode_num_draft_tokens"]
+    for wave in range(2):
+        s1 = llm.kv_cache_stats()
+        assert _run(llm, [follow])[0] == base
+        s2 = llm.kv_cache_stats()
+        assert s2["prefix_cache_hits"] > s1["prefix_cache_hits"]
+        drafted = s2["spec_decode_num_draft_tokens"] - s1["spec_decode_num_draft_tokens"]
+        accepted = s2["spec_decode_num_accepted_tokens"] - s1["spec_decode_num_accepted_tokens"]
+        assert accepted == drafted == base_drafted, (wave, accepted, drafted, base_drafted)
+    assert_all_free(llm)

@@ -60,6 +60,7 @@ class DraftModel:
         self.last: dict[str, list[int]] = {}    # request id -> its last drafts (reused when nothing new)
         self.q: dict[str, torch.Tensor] = {}    # request id -> [k, V] distributions its last drafts came from
         self.num_forwards = 0                   # draft forwards run (tests, bench)
+        self._verified = None                   # (rows, drafts, num_tokens) of the step's speculating rows
 
     def update_batch(self, so) -> None:
         """Follow the scheduler's delta: a request (re)entering the batch starts at its
@@ -139,15 +140,38 @@ class DraftModel:
         self.num_forwards += 1
         return hidden[torch.from_numpy(cu - 1).to(r.device)]
 
+    @torch.inference_mode()
     def after_step(self) -> None:
-        """After the step's tokens are sampled (an MTP head's hook; a draft model has none)."""
+        """After verification: a row that accepted every draft commits draft k, which the
+        draft never ran on (its lookahead stops at draft k-1); the scheduler publishes the
+        step's full blocks right after, and a request finishing now never proposes again,
+        so the draft catches those rows up to their computed tokens here, before any block
+        holding them is published (work the next catch-up would otherwise do)."""
+        if self._verified is None:
+            return
+        rows, nd, n = self._verified
+        self._verified = None
+        computed = self.runner.batch.num_tokens[rows].astype(np.int64) - 1
+        gap = np.flatnonzero(computed - n == nd)           # accepted = drafts: the last was never input
+        if not len(gap):
+            return
+        rows, computed = rows[gap], computed[gap]
+        seen = self._seen(rows)
+        self._forward(rows, seen, computed - seen)
+        ids = self.runner.batch.req_ids
+        for row, c in zip(rows.tolist(), computed.tolist()):
+            self.seen[ids[row]] = c
 
     def shadow(self, rows: np.ndarray, num_sched: np.ndarray, computed_before: np.ndarray,
                hidden: torch.Tensor | None = None) -> None:
         """In the target's step (before its checkpoints are saved): the committed tokens of
         the step the draft has not computed yet. A speculating row's drafts are not
         committed (they lie past num_tokens) and are left out."""
-        end = np.minimum(computed_before + num_sched, self.runner.batch.num_tokens[rows])
+        n = self.runner.batch.num_tokens[rows]
+        end = np.minimum(computed_before + num_sched, n)
+        nd = computed_before + num_sched - end             # drafts verified this step per row
+        spec = np.flatnonzero(nd > 0)
+        self._verified = (rows[spec], nd[spec], n[spec].astype(np.int64)) if len(spec) else None
         seen = self._seen(rows)
         lens = end - seen
         todo = lens > 0
