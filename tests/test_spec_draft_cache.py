@@ -127,3 +127,25 @@ def test_blocks_published_after_accepted_drafts_hold_the_drafts_kv(tiny_hf):
         accepted = s2["spec_decode_num_accepted_tokens"] - s1["spec_decode_num_accepted_tokens"]
         assert accepted == drafted == base_drafted, (wave, accepted, drafted, base_drafted)
     assert_all_free(llm)
+
+
+@pytest.mark.slow
+def test_compiled_draft_equals_eager_and_compiles_once(tmp_path):
+    """compile=True with a draft (the target's own small spec, k = 4): the warm-up compiles
+    two graphs, target and draft; a workload of changing batches then compiles and
+    recompiles nothing, and its greedy tokens equal the eager engine's without speculation."""
+    import torch._dynamo.utils as dynamo_utils
+    from tests.test_compile import ENGINE, PARAMS, PROMPTS, _graphs, _recompiles
+    spec = "zoo/smollm2-tiny.yaml"
+    ref = [o.outputs[0].token_ids for o in LLM(spec, **ENGINE).generate(PROMPTS, PARAMS, use_tqdm=False)]
+    graphs = _graphs()
+    llm = LLM(spec, compile=True, compile_cache_dir=str(tmp_path), speculative=_draft(spec), **ENGINE)
+    assert llm.engine.runner.draft.compiled
+    assert _graphs() - graphs == 2
+    assert dynamo_utils.counters["graph_break"] == {}
+    graphs, recompiles = _graphs(), _recompiles()
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    assert _graphs() - graphs == 0 and _recompiles() - recompiles == 0
+    assert out == ref
+    assert llm.kv_cache_stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_all_free(llm)

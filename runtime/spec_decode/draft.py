@@ -46,11 +46,18 @@ from runtime.worker.step_plan import StepBatch, plan_layers
 
 
 class DraftModel:
-    """The runner's side: the draft model over the runner's persistent batch and pool."""
+    """The runner's side: the draft model over the runner's persistent batch and pool. With
+    the runner's `compile=True` a draft model's forward is compiled the same way as the
+    target's (ModelRunner._compile: fullgraph, static, token dim unbacked; its own code
+    object, so it is no recompile of the target's) and compiled in the runner's warm-up."""
+
+    compilable = True                           # an MTP head (extra hidden input) runs eager
 
     def __init__(self, runner, model, offset: int):
         self.runner, self.model, self.offset = runner, model, offset
         self.lm = model                         # whose compute_logits / greedy_head give the drafts
+        self.compiled = runner.compiled and self.compilable
+        self.forward = runner._compile(model) if self.compiled else model
         self.state_layers = model.state_mixers()
         cfg = runner.kv_config
         # State groups holding a draft layer: saved around the draft's lookahead steps.
@@ -135,10 +142,20 @@ class DraftModel:
         ids_t = torch.from_numpy(b.token_ids[req_rows, positions + shift]).to(r.device)
         pos_t = torch.from_numpy(positions).to(r.device)
         extra = () if hidden is None else (hidden,)
-        with set_forward_context(ForwardContext(r.backend, meta[self.offset:], self.state_layers)):
-            hidden = self.model(ids_t, pos_t, r.kv_caches[self.offset:], *extra)
+        hidden = self.run(meta, ids_t, pos_t, *extra)
         self.num_forwards += 1
         return hidden[torch.from_numpy(cu - 1).to(r.device)]
+
+    def run(self, meta: list, ids_t: torch.Tensor, pos_t: torch.Tensor, *extra) -> torch.Tensor:
+        """The draft's forward under its slice of the step's attention plans (`meta`: every
+        layer's, the draft's from `offset` on); a compiled forward gets the token dim unbacked,
+        as the target's in ModelRunner.execute."""
+        r = self.runner
+        if self.compiled:
+            torch._dynamo.decorators.mark_unbacked(ids_t, 0)
+            torch._dynamo.decorators.mark_unbacked(pos_t, 0)
+        with set_forward_context(ForwardContext(r.backend, meta[self.offset:], self.state_layers)):
+            return self.forward(ids_t, pos_t, r.kv_caches[self.offset:], *extra)
 
     @torch.inference_mode()
     def after_step(self) -> None:

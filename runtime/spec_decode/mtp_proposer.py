@@ -36,6 +36,8 @@ from runtime.spec_decode.draft import DraftModel, DraftProposer
 class MTPModel(DraftModel):
     """The runner's side of an MTP head (module docstring)."""
 
+    compilable = False
+
     def __init__(self, runner, head: MTPHead, offset: int):
         super().__init__(runner, head, offset)
         self._step = None                      # (hidden, rows, num_sched, computed before) of this step
