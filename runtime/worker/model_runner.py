@@ -139,6 +139,8 @@ class ModelRunner:
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
         with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)):
             self.forward(ids_t, pos_t, self.kv_caches)
+        if self.draft is not None and self.draft.compiled:     # a compiled draft compiles now too
+            self.draft.run(layer_meta, ids_t.clone(), pos_t.clone())
         for cache in self.kv_caches:
             cache[0].zero_()
         return time.perf_counter() - start
