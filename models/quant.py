@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_build, quant_gemm
+from models.spec import QUANT_ACTIVATIONS as ACTIVATIONS
 
 
 @dataclass(slots=True)
@@ -163,7 +164,7 @@ def quantize_int4(w: torch.Tensor, group: int = 32, symmetric: bool = True) -> Q
 
 
 def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, k: int,
-            bias: torch.Tensor | None) -> torch.Tensor:
+            bias: torch.Tensor | None, act_int8: bool = False) -> torch.Tensor:
     rows = x.numel() // k if k else 0
     n = qs.shape[0]
     x2 = x.reshape(rows, k).float()
@@ -172,7 +173,10 @@ def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, 
         x2 = F.pad(x2, (0, k_pad - k))
     b = None if bias is None else bias.float()
     if x2.device.type == "cpu" and cpu_build.available():
-        out = quant_gemm.quant_linear(x2, qs, scale, minv, bits, group, zero, b)
+        if act_int8 and rows <= quant_gemm.Q8_MAX_ROWS and quant_gemm.q8_available():
+            out = quant_gemm.quant_linear_q8(x2, qs, scale, minv, bits, group, zero, b)
+        else:
+            out = quant_gemm.quant_linear(x2, qs, scale, minv, bits, group, zero, b)
     else:   # no kernel library: dequantize in torch (correct, slower)
         w = QuantWeight(bits, group, zero, qs, scale, minv, k_pad).dequantize()
         out = F.linear(x2, w, b)
@@ -181,22 +185,29 @@ def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, 
 
 @torch.library.custom_op("zooinfer::quant_linear", mutates_args=())
 def quant_linear_op(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
-                    bits: int, group: int, zero: int, k: int, bias: torch.Tensor | None) -> torch.Tensor:
+                    bits: int, group: int, zero: int, k: int, bias: torch.Tensor | None,
+                    act_int8: bool = False) -> torch.Tensor:
     """`F.linear(x, W, bias)` with W given quantized (`QuantWeight` fields)."""
-    return _matmul(x, qs, scale, minv, bits, group, zero, k, bias)
+    return _matmul(x, qs, scale, minv, bits, group, zero, k, bias, act_int8)
 
 
 @quant_linear_op.register_fake
-def _(x, qs, scale, minv, bits, group, zero, k, bias):
+def _(x, qs, scale, minv, bits, group, zero, k, bias, act_int8=False):
     return x.new_empty((*x.shape[:-1], qs.shape[0]))
 
 
 class QuantLinear(nn.Module):
     """An `nn.Linear` whose weight is a `QuantWeight` (the float weight is dropped). `weight`
-    gives the dequantized fp32 weight on demand, for the rare code that reads it directly."""
+    gives the dequantized fp32 weight on demand, for the rare code that reads it directly.
+    `activations="int8"`: decode steps (up to 16 rows) round x to int8 per 32-block and use
+    integer dot products (kernels/cpu/quant_gemv_q8.cpp, AVX-512 VNNI CPUs; within the bound
+    stated there, not exact); prefill chunks and other CPUs keep the exact fp32 product."""
 
-    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None, activations: str = "float32"):
         super().__init__()
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"quantization.activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
+        self.act_int8 = activations == "int8"
         self.in_features, self.out_features = qw.k, qw.n
         self.bits, self.group, self.zero, self.fmt = qw.bits, qw.group, qw.zero, qw.fmt
         self.register_buffer("qs", qw.qs, persistent=False)
@@ -213,11 +224,12 @@ class QuantLinear(nn.Module):
         return self.qweight.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, self.qs, self.scale, self.minv, self.bits, self.group, self.zero, self.in_features, self.bias)
+        args = (x, self.qs, self.scale, self.minv, self.bits, self.group, self.zero, self.in_features, self.bias,
+                self.act_int8)
         if torch.compiler.is_compiling():
             return torch.ops.zooinfer.quant_linear(*args)
         return _matmul(*args)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"format={self.fmt}, bits={self.bits}, group={self.group}")
+                f"format={self.fmt}, bits={self.bits}, group={self.group}, activations={'int8' if self.act_int8 else 'float32'}")

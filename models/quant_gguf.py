@@ -182,7 +182,7 @@ class GGUFLinears:
 
 
 @torch.no_grad()
-def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True) -> dict[str, str]:
+def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True, activations: str = "float32") -> dict[str, str]:
     """Replace the linears whose checkpoint tensors are quantized in the GGUF at `path` by
     `QuantLinear`s; returns {module name: format}. Raises ValueError, leaving the model as it was,
     when a quantized tensor does not decode to exactly the loaded float weight (a wrong mapping
@@ -213,7 +213,7 @@ def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True) -> dict[str
                                  f"checkpoint's {hf_name}; the name mapping or row order is wrong")
         qw = concat_rows(pieces)
         bias = module.bias.detach() if module.bias is not None else None
-        swaps.append((module_name, QuantLinear(qw, bias)))
+        swaps.append((module_name, QuantLinear(qw, bias, activations)))
     for module_name, linear in swaps:   # only once every tensor checked: a refused GGUF changes nothing
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)

@@ -26,34 +26,15 @@
 
 #include <immintrin.h>
 
+#include "quant_layout.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int64_t DECODE_ROWS = 16;  // more rows: dequantize tiles once, multiply with at::mm
-constexpr int MR = 4;                // rows of x per register tile in the decode kernels
-
-struct QW {                          // one quantized weight, as the kernels read it
-  const uint8_t* qs;
-  const float* scale;
-  const float* minv;                 // nullptr: no min term
-  int64_t n, k, group, zero, bits;
-  int64_t row_bytes() const { return bits == 4 ? k / 2 : k; }
-  float offset(int64_t row, int64_t g) const {   // min - zero * scale: w = scale * q + offset
-    const float s = scale[row * (k / group) + g];
-    return (minv ? minv[row * (k / group) + g] : 0.f) - static_cast<float>(zero) * s;
-  }
-};
-
-// sum over groups of (min - zero * scale) * xsum: the part of a row's product that does not depend on q
-inline float offset_dot(const QW& w, int64_t row, const float* xsum) {
-  const int64_t ng = w.k / w.group;
-  float acc = 0.f;
-  for (int64_t g = 0; g < ng; ++g) acc += w.offset(row, g) * xsum[g];
-  return acc;
-}
+using namespace zi_quant;
 
 // ------------------------------------------------------------------------------------ scalar
 inline float weight_at(const QW& w, int64_t row, int64_t kk) {
@@ -239,7 +220,6 @@ ZI_AVX2 void dequant_avx2(const QW& w, int64_t n0, int64_t n1, float* dst) {
 }
 
 // ------------------------------------------------------------------------------------ AVX-512
-#define ZI_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
 
 ZI_AVX512 inline void block_avx512(const QW& w, int64_t row, int64_t kb, __m512& w0, __m512& w1) {
   const uint8_t* r = w.qs + row * w.row_bytes();
@@ -258,21 +238,6 @@ ZI_AVX512 inline void block_avx512(const QW& w, int64_t row, int64_t kb, __m512&
   const __m128i* p = reinterpret_cast<const __m128i*>(r + kb * 32);
   w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))), s, o);
   w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), s1, o1);
-}
-
-ZI_AVX512 inline float offset_dot512(const QW& w, int64_t row, const float* xsum) {   // offset_dot, 16 groups a step
-  const int64_t ng = w.k / w.group;
-  const float* sp = w.scale + row * ng;
-  const float* mp = w.minv ? w.minv + row * ng : nullptr;
-  const __m512 z = _mm512_set1_ps(static_cast<float>(w.zero));
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; g += 16) {
-    const __mmask16 k = g + 16 <= ng ? __mmask16(0xFFFF) : __mmask16((1u << (ng - g)) - 1);
-    const __m512 mv = mp ? _mm512_maskz_loadu_ps(k, mp + g) : _mm512_setzero_ps();
-    const __m512 off = _mm512_fnmadd_ps(z, _mm512_maskz_loadu_ps(k, sp + g), mv);
-    acc = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(k, xsum + g), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
 }
 
 template <int R>
@@ -391,31 +356,6 @@ int64_t resolve_isa(int64_t isa) {
   return isa < 0 ? best : isa;
 }
 
-QW make_qw(const at::Tensor& qs, const at::Tensor& scale, const c10::optional<at::Tensor>& minv, int64_t bits,
-           int64_t group, int64_t zero, int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(group > 0 && group % (bits == 4 ? 32 : 16) == 0 && k % group == 0 && k % 32 == 0,
-              "quant_linear: group ", group, " must divide K=", k, " and be a multiple of ", bits == 4 ? 32 : 16,
-              " (K a multiple of 32)");
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu() && qs.element_size() == 1 &&
-                  qs.size(1) == (bits == 4 ? k / 2 : k),
-              "quant_linear: qs must be a contiguous 1-byte CPU tensor [N, ", bits == 4 ? k / 2 : k, "], got ",
-              qs.sizes());
-  const int64_t n = qs.size(0);
-  auto check_groups = [&](const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == n &&
-                    t.size(1) == k / group,
-                "quant_linear: ", what, " must be contiguous float32 [", n, ", ", k / group, "], got ", t.sizes());
-  };
-  check_groups(scale, "scale");
-  const float* mp = nullptr;
-  if (minv.has_value() && minv->defined()) {
-    check_groups(*minv, "min");
-    mp = minv->data_ptr<float>();
-  }
-  return QW{static_cast<const uint8_t*>(qs.data_ptr()), scale.data_ptr<float>(), mp, n, k, group, zero, bits};
-}
-
 void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst) {
   if (isa == 2) dequant_avx512(w, n0, n1, dst);
   else if (isa == 1) dequant_avx2(w, n0, n1, dst);
@@ -437,18 +377,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     const int64_t ldx = M > 1 ? xc.stride(0) : K;
     float* op = out.data_ptr<float>();
     if (M <= DECODE_ROWS) {
-      // x summed per group, for the min / zero term (min - zero * scale) * sum(x) of each group
-      std::vector<float> xsum;
-      if (w.minv || w.zero) {
-        const int64_t ng = K / w.group;
-        xsum.assign(M * ng, 0.f);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t g = 0; g < ng; ++g) {
-            float a = 0.f;
-            for (int64_t j = 0; j < w.group; ++j) a += xp[m * ldx + g * w.group + j];
-            xsum[m * ng + g] = a;
-          }
-      }
+      const std::vector<float> xsum = group_sums(w, xp, ldx, M);   // for the min / zero term
       const float* xs = xsum.empty() ? nullptr : xsum.data();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
         if (isa == 2) rows_avx512(w, xp, ldx, M, op, N, n0, n1, xs);
