@@ -40,7 +40,7 @@ CASES = WEIGHTS + _extra_weights()
 def _emulate(x: torch.Tensor, qw: QuantWeight, xq: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The kernel's formula in torch: the integer part on x rounded (dx * xq), the min / zero
     part on the exact x."""
-    rep = (lambda t: t.repeat_interleave(qw.group, dim=1)[:, :qw.k])
+    rep = (lambda t: t.float().repeat_interleave(qw.group, dim=1)[:, :qw.k])
     s = rep(qw.scale)
     off = (rep(qw.min) if qw.min is not None else 0) - qw.zero * s
     xhat = (xq.float() * d.repeat_interleave(32, dim=1))[:, :qw.k]
@@ -53,7 +53,7 @@ def test_q8_kernel_is_its_formula_and_within_the_bound(case):
     from kernels import quant_gemm
     _, qw, w = case
     g = torch.Generator().manual_seed(12)
-    rep = (lambda t: t.repeat_interleave(qw.group, dim=1)[:, :qw.k])
+    rep = (lambda t: t.float().repeat_interleave(qw.group, dim=1)[:, :qw.k])
     sq = (rep(qw.scale) * qw.values()[:, :qw.k].float()).abs()        # |scale * q|: what x's rounding multiplies
     for rows in (1, 2, 3, 4, 5, 16):            # each register tile and its tails, the largest decode batch
         x = torch.randn(rows, qw.k, generator=g) * torch.rand(rows, 1, generator=g) * 4
@@ -113,3 +113,26 @@ def test_activations_errors_name_the_field():
                        "quantization: {method: int8, activations: fp8}\n")
         with pytest.raises(SpecError, match=r"quantization\.activations: must be one of float32, int8, got 'fp8'"):
             load_spec(bad)
+
+
+def test_tied_embedding_reads_the_heads_blocks_and_weights_fit_the_gguf():
+    """The embedded SmolLM2 on its GGUF: the tied embedding becomes a `QuantEmbedding` on the Q8_0
+    head's blocks whose every row equals the float checkpoint's, legacy-format scales stay fp16,
+    and the model's weights in memory take no more bytes than the GGUF file."""
+    from models import build_model, load_weights, resolve_spec
+    from models.embedded import embedded_gguf
+    from models.quant import QuantEmbedding, weight_bytes
+    from models.quant_gguf import quantize_from_gguf
+    spec = resolve_spec("zoo/smollm2-135m.yaml")
+    model = build_model(spec)
+    load_weights(model, spec)
+    table = model.embed_tokens.weight.detach().clone()
+    before = weight_bytes(model)
+    quantize_from_gguf(model, embedded_gguf("smollm2-135m"))
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    assert model.embed_tokens.qs.data_ptr() == model.lm_head.qs.data_ptr()        # shared, not copied
+    assert model.lm_head.scale.dtype == torch.float16 and model.layers[0].mlp.down_proj.scale.dtype == torch.float16
+    ids = torch.arange(table.shape[0]).view(16, -1)
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+    after, file_bytes = weight_bytes(model), embedded_gguf("smollm2-135m").stat().st_size
+    assert after <= file_bytes < before, (after, file_bytes, before)

@@ -7,6 +7,9 @@
 //   bits 4: qs uint8 [N, K / 2]; each 32-weight block of a row is 16 bytes, byte j holding weight j
 //           in its low nibble and weight j + 16 in its high nibble (GGUF Q4_0's order); G % 32 == 0.
 //   bits 8: qs int8 [N, K]; G % 16 == 0.
+//   scale / min: float32, or float16 where the format's own scales are fp16 (the legacy GGUF
+//           formats: half the bytes); fp16 ones are converted to fp32 64 rows at a time
+//           (quant_layout.h `for_row_tiles`, exact), so the kernels below read fp32 only.
 // K is a multiple of G (the Python wrapper pads x and the weight for other K).
 //
 // Decode (M <= DECODE_ROWS): threads split the output rows; each row's quantized bytes are read
@@ -356,10 +359,14 @@ int64_t resolve_isa(int64_t isa) {
   return isa < 0 ? best : isa;
 }
 
-void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst) {
-  if (isa == 2) dequant_avx512(w, n0, n1, dst);
-  else if (isa == 1) dequant_avx2(w, n0, n1, dst);
-  else dequant_scalar(w, n0, n1, dst);
+// rows n0..n1 of w dequantized, row r to dst + (r - base) * K
+void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst, int64_t base) {
+  for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
+    float* d = dst + (r0 - base) * w.k;
+    if (isa == 2) dequant_avx512(t, 0, r1 - r0, d);
+    else if (isa == 1) dequant_avx2(t, 0, r1 - r0, d);
+    else dequant_scalar(t, 0, r1 - r0, d);
+  });
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
@@ -380,9 +387,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
       const std::vector<float> xsum = group_sums(w, xp, ldx, M);   // for the min / zero term
       const float* xs = xsum.empty() ? nullptr : xsum.data();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        if (isa == 2) rows_avx512(w, xp, ldx, M, op, N, n0, n1, xs);
-        else if (isa == 1) rows_avx2(w, xp, ldx, M, op, N, n0, n1, xs);
-        else rows_scalar(w, xp, ldx, M, op, N, n0, n1);
+        for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
+          if (isa == 2) rows_avx512(t, xp, ldx, M, op + r0, N, 0, r1 - r0, xs);
+          else if (isa == 1) rows_avx2(t, xp, ldx, M, op + r0, N, 0, r1 - r0, xs);
+          else rows_scalar(t, xp, ldx, M, op + r0, N, 0, r1 - r0);
+        });
       });
     } else {
       // tiles of about 4 MB of fp32 weight rows: dequantized once (in parallel), used by all M rows
@@ -391,7 +400,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
       for (int64_t t0 = 0; t0 < N; t0 += tile) {
         const int64_t t1 = std::min(N, t0 + tile);
         float* bp = buf.data_ptr<float>();
-        at::parallel_for(t0, t1, 8, [&](int64_t n0, int64_t n1) { dequant_rows(w, isa, n0, n1, bp + (n0 - t0) * K); });
+        at::parallel_for(t0, t1, 8, [&](int64_t n0, int64_t n1) { dequant_rows(w, isa, n0, n1, bp, t0); });
         out.narrow(1, t0, t1 - t0).copy_(at::mm(xc, buf.narrow(0, 0, t1 - t0).t()));
       }
     }
@@ -407,9 +416,9 @@ at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scale, const
                             int64_t bits, int64_t group, int64_t zero, int64_t k, int64_t isa) {
   const QW w = make_qw(qs, scale, minv, bits, group, zero, k);
   isa = resolve_isa(isa);
-  at::Tensor out = at::empty({w.n, k}, scale.options());
+  at::Tensor out = at::empty({w.n, k}, scale.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, w.n, 8, [&](int64_t n0, int64_t n1) { dequant_rows(w, isa, n0, n1, op + n0 * k); });
+  at::parallel_for(0, w.n, 8, [&](int64_t n0, int64_t n1) { dequant_rows(w, isa, n0, n1, op, 0); });
   return out;
 }
 

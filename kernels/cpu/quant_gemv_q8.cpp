@@ -165,7 +165,8 @@ ZI_VNNI void tile(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float*
   else tile8<R>(w, n, xq, m0, xsum, out, ldo);
 }
 
-ZI_VNNI void rows_q8(const QW& w, const XQ& xq, int64_t M, const float* xsum, float* out, int64_t n0, int64_t n1) {
+ZI_VNNI void rows_q8(const QW& w, const XQ& xq, int64_t M, const float* xsum, float* out, int64_t ldo, int64_t n0,
+                     int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     if (n + 1 < n1) {   // the next row streams in meanwhile
       const char* next = reinterpret_cast<const char*>(w.qs + (n + 1) * w.row_bytes());
@@ -173,10 +174,10 @@ ZI_VNNI void rows_q8(const QW& w, const XQ& xq, int64_t M, const float* xsum, fl
     }
     for (int64_t m0 = 0; m0 < M; m0 += MR) {
       switch (std::min<int64_t>(MR, M - m0)) {
-        case 1: tile<1>(w, n, xq, m0, xsum, out, w.n); break;
-        case 2: tile<2>(w, n, xq, m0, xsum, out, w.n); break;
-        case 3: tile<3>(w, n, xq, m0, xsum, out, w.n); break;
-        default: tile<4>(w, n, xq, m0, xsum, out, w.n); break;
+        case 1: tile<1>(w, n, xq, m0, xsum, out, ldo); break;
+        case 2: tile<2>(w, n, xq, m0, xsum, out, ldo); break;
+        case 3: tile<3>(w, n, xq, m0, xsum, out, ldo); break;
+        default: tile<4>(w, n, xq, m0, xsum, out, ldo); break;
       }
     }
   }
@@ -205,7 +206,9 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::
     const std::vector<float> xsum = group_sums(w, xp, w.k, M);
     const float* xs = xsum.empty() ? nullptr : xsum.data();
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { rows_q8(w, xq, M, xs, op, n0, n1); });
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); });
+    });
   }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "quant_linear_q8: bias must have ", N, " elements, got ", bias->numel());
