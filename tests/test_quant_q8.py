@@ -136,3 +136,19 @@ def test_tied_embedding_reads_the_heads_blocks_and_weights_fit_the_gguf():
     assert torch.equal(model.embed_tokens(ids), table[ids])
     after, file_bytes = weight_bytes(model), embedded_gguf("smollm2-135m").stat().st_size
     assert after <= file_bytes < before, (after, file_bytes, before)
+
+
+def test_spec_activations_reach_every_quantized_linear(tmp_path):
+    """`quantization.activations: int8` in a spec makes every QuantLinear of the engine's model use
+    int8 activations (float32, the default, none), and the engine decodes with them."""
+    import pathlib
+    from runtime import LLM, SamplingParams
+    spec = tmp_path / "tiny-q8.yaml"
+    spec.write_text(f"extends: {pathlib.Path('zoo/smollm2-tiny.yaml').resolve()}\n"
+                    "quantization: {method: int8, activations: int8}\n")
+    for path, want in ((spec, True), ("zoo/smollm2-tiny.yaml", False)):
+        llm = LLM(str(path), max_num_seqs=2, quantization="int8", enable_prefix_caching=False)
+        mods = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
+        assert len(mods) == 2 * 4 + 1 and all(m.act_int8 is want for m in mods)
+        outs = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(max_tokens=8, temperature=0))
+        assert len(outs[0].outputs[0].token_ids) == 8
