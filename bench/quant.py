@@ -104,18 +104,14 @@ def _decode_rate(llm, prompt: list[int], tokens: int) -> float:
 
 
 def speed(name: str, formats: list[str], tokens: int, rounds: int) -> list[tuple]:
-    from models.quant import QuantLinear
+    from models.quant import weight_bytes
     from runtime import LLM
     prompt = list(range(100, 132))
     engines = {}
     for fmt in ["none", *formats]:
         llm = LLM(str(ROOT / "zoo" / f"{name}.yaml"), max_num_seqs=1, max_model_len=512, quantization=fmt,
                   enable_prefix_caching=False)
-        model = llm.engine.model
-        qbytes = sum(m.qweight.nbytes for m in model.modules() if isinstance(m, QuantLinear))
-        fbytes = sum(m.weight.numel() * 4 for m in model.modules()
-                     if type(m).__name__ in ("Linear", "PackedLinear"))
-        engines[fmt] = (llm, qbytes + fbytes)
+        engines[fmt] = (llm, weight_bytes(llm.engine.model))    # every weight, the embedding included
         _decode_rate(llm, prompt, 8)                                # warm-up
     rates = {fmt: [] for fmt in engines}
     for r in range(rounds):

@@ -7,10 +7,18 @@ low nibble | weight j + 16 high nibble), 8-bit ones int8. K must be a multiple o
 `isa` picks the instruction path: -1 the best this CPU has (`best_isa`), 0 scalar C++, 1 AVX2 +
 FMA, 2 AVX-512; all are built into the one library (per-function target attributes), so tests
 run each of them here. All need the kernel library (`cpu_build.available()`).
+
+`quant_linear_q8` (kernels/cpu/quant_gemv_q8.cpp) is the decode product with x quantized to int8
+per 32-block and VNNI integer dot products (AVX-512 VNNI only, `q8_available`): not exact, within
+the bound its header states; `quantize_activations_q8` gives its int8 x for the tests.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
+
+Q8_MAX_ROWS = 16    # quant_linear_q8 serves decode steps up to this many rows (DECODE_ROWS)
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 
@@ -30,3 +38,21 @@ def dequantize(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
                zero: int, k: int, isa: int = -1) -> torch.Tensor:
     """W [N, k] in fp32 (each weight `scale * q + (min - zero * scale)`, one FMA)."""
     return torch.ops.zooinfer_cpu.quant_dequantize(qs, scale, minv, bits, group, zero, k, isa)
+
+
+@functools.cache
+def q8_available() -> bool:
+    """Whether this CPU runs `quant_linear_q8` (AVX-512 F/BW/VL + VNNI)."""
+    return bool(torch.ops.zooinfer_cpu.quant_q8_available())
+
+
+def quant_linear_q8(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
+                    bits: int, group: int, zero: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`quant_linear` for at most `Q8_MAX_ROWS` rows, x rounded to int8 per 32-block first."""
+    return torch.ops.zooinfer_cpu.quant_linear_q8(x, qs, scale, minv, bits, group, zero, bias)
+
+
+def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as `quant_linear_q8` rounds it: int8 [M, K] and one fp32 scale per 32 [M, K // 32]."""
+    q, d = torch.ops.zooinfer_cpu.quantize_activations_q8(x)
+    return q, d

@@ -4,7 +4,7 @@
 into the layout of models/quant.py: Q4_0 / Q4_1 keep their nibble bytes as they are, Q4_K's
 nibbles are reordered into 32-weight blocks with d * sc as scale and -(dmin * m) as min,
 Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 become int8 (their 5/6/8-bit values, zero point subtracted where
-the format has one). Scales are computed with gguf's own numpy operations, so `dequantize()`
+the format has one); the legacy formats keep their fp16 scales as fp16. Scales are computed with gguf's own numpy operations, so `dequantize()`
 equals `gguf.quants.dequantize` bit for bit (tests/test_quant.py).
 
 `quantize_from_gguf` swaps each `nn.Linear` of a built model whose checkpoint tensors are
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.quant import QuantLinear, QuantWeight, concat_rows, pack_nibbles
+from models.quant import QuantEmbedding, QuantLinear, QuantWeight, concat_rows, pack_nibbles
 
 QK = 32       # weights per block of the legacy formats
 QK_K = 256    # per super-block of the K-quants
@@ -29,6 +29,11 @@ QK_K = 256    # per super-block of the K-quants
 
 def _f16(b: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _h16(b: np.ndarray) -> np.ndarray:
+    """A legacy block's fp16 field kept as fp16 (the kernels widen it exactly)."""
+    return np.ascontiguousarray(b).view(np.float16)
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -71,25 +76,25 @@ def from_blocks(raw: np.ndarray, qtype: int, k: int, fmt: str = "") -> QuantWeig
 
 
 def _q4_0(b):   # nibble bytes kept as they are: Q4_0's order is ours
-    return 4, QK, 8, b[:, 2:], _f16(b[:, :2]), None
+    return 4, QK, 8, b[:, 2:], _h16(b[:, :2]), None
 
 
 def _q4_1(b):
-    return 4, QK, 0, b[:, 4:], _f16(b[:, :2]), _f16(b[:, 2:4])
+    return 4, QK, 0, b[:, 4:], _h16(b[:, :2]), _h16(b[:, 2:4])
 
 
 def _q5_0(b):
     q = (_low_high(b[:, 6:]) | (_fifth_bit(b[:, 2:6]) << 4)).astype(np.int8) - np.int8(16)
-    return 8, QK, 0, q.view(np.uint8), _f16(b[:, :2]), None
+    return 8, QK, 0, q.view(np.uint8), _h16(b[:, :2]), None
 
 
 def _q5_1(b):
     q = _low_high(b[:, 8:]) | (_fifth_bit(b[:, 4:8]) << 4)
-    return 8, QK, 0, q, _f16(b[:, :2]), _f16(b[:, 2:4])
+    return 8, QK, 0, q, _h16(b[:, :2]), _h16(b[:, 2:4])
 
 
 def _q8_0(b):
-    return 8, QK, 0, b[:, 2:], _f16(b[:, :2]), None
+    return 8, QK, 0, b[:, 2:], _h16(b[:, :2]), None
 
 
 def _k_scales(b):
@@ -182,9 +187,10 @@ class GGUFLinears:
 
 
 @torch.no_grad()
-def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True) -> dict[str, str]:
+def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True, activations: str = "float32") -> dict[str, str]:
     """Replace the linears whose checkpoint tensors are quantized in the GGUF at `path` by
-    `QuantLinear`s; returns {module name: format}. Raises ValueError, leaving the model as it was,
+    `QuantLinear`s (a tied embedding becomes a `QuantEmbedding` on the head's blocks); returns
+    {linear's module name: format}. Raises ValueError, leaving the model as it was,
     when a quantized tensor does not decode to exactly the loaded float weight (a wrong mapping
     would otherwise run silently)."""
     src = GGUFLinears(path)
@@ -213,9 +219,14 @@ def quantize_from_gguf(model: nn.Module, path, lm_head: bool = True) -> dict[str
                                  f"checkpoint's {hf_name}; the name mapping or row order is wrong")
         qw = concat_rows(pieces)
         bias = module.bias.detach() if module.bias is not None else None
-        swaps.append((module_name, QuantLinear(qw, bias)))
+        swaps.append((module_name, QuantLinear(qw, bias, activations)))
+    tied = getattr(model, "embed_tokens", None)
+    tied = tied if type(tied) is nn.Embedding and tied.weight is getattr(model, "lm_head", tied).weight else None
     for module_name, linear in swaps:   # only once every tensor checked: a refused GGUF changes nothing
         parent_name, _, child = module_name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
         done[module_name] = linear.fmt
+        if module_name == "lm_head" and tied is not None:
+            # the tied table's rows come from the head's blocks (checked equal above): no float copy
+            model.embed_tokens = QuantEmbedding(linear.qweight, tied.weight.dtype)
     return done

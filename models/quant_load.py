@@ -4,7 +4,8 @@ and FP8 block-scaled checkpoint tensors decoded as they are read.
 `apply_quantization` runs after `load_weights` and before `prepack_linears` (which then packs
 only the linears left in float): `gguf` takes the linears' blocks from the checkpoint's GGUF
 (models/quant_gguf.py), `int8` / `int4` / `int4_asym` quantize the loaded float weights
-(models/quant.py). The LM head follows `quantization.lm_head` (int8 under the 4-bit methods).
+(models/quant.py). The LM head follows `quantization.lm_head` (int8 under the 4-bit methods);
+`quantization.activations` (float32 / int8) says what x the decode products use.
 
 FP8 (e4m3) checkpoints as DeepSeek-V3 and Qwen3-Next ship them: each `*.weight` is float8 with a
 `*.weight_scale_inv` of one float32 per 128 x 128 block (`quantization_config.weight_block_size`
@@ -58,7 +59,7 @@ def apply_quantization(model: nn.Module, spec: ModelSpec, method: str | None = N
         raise ValueError(f"quantization {method!r} runs on CPU only (the model is on {device}); use quantization='none'")
     if method == "gguf":
         from models.quant_gguf import quantize_from_gguf
-        return quantize_from_gguf(model, gguf_path(spec), lm_head=q.lm_head)
+        return quantize_from_gguf(model, gguf_path(spec), lm_head=q.lm_head, activations=q.activations)
     make = {"int8": quantize_int8,
             "int4": lambda w: quantize_int4(w, q.group_size, symmetric=True),
             "int4_asym": lambda w: quantize_int4(w, q.group_size, symmetric=False)}[method]
@@ -73,7 +74,7 @@ def apply_quantization(model: nn.Module, spec: ModelSpec, method: str | None = N
         bias = module.bias.detach() if module.bias is not None else None
         parent, _, child = name.rpartition(".")
         qw = (quantize_int8 if fmt == "int8" else make)(module.weight.detach())
-        setattr(model.get_submodule(parent) if parent else model, child, QuantLinear(qw, bias))
+        setattr(model.get_submodule(parent) if parent else model, child, QuantLinear(qw, bias, q.activations))
         done[name] = fmt
     return done
 

@@ -147,6 +147,7 @@ class CheckpointSpec:
 
 
 QUANT_METHODS = ("none", "gguf", "int8", "int4", "int4_asym")
+QUANT_ACTIVATIONS = ("float32", "int8")   # x of the decode products on quantized weights (models/quant.py)
 
 
 @dataclass(slots=True)
@@ -157,6 +158,7 @@ class QuantizationSpec:
     method: str = "none"
     group_size: int = 32       # int4 / int4_asym
     lm_head: bool = True       # False: the head stays float (packed panels, fused greedy head)
+    activations: str = "float32"   # int8: decode products on x rounded to int8 per 32 (models/quant.py)
 
 
 # Where each of our parameters lives in an HF checkpoint. Per-layer names are relative to
@@ -452,6 +454,9 @@ def _validate(spec: ModelSpec, fail) -> None:
     rotary = int(a.head_dim * spec.rope.partial_rotary_factor)
     if rotary % 2:
         fail("rope.partial_rotary_factor", f"rotary dim {rotary} must be even")
+    if spec.quantization.activations not in QUANT_ACTIVATIONS:
+        fail("quantization.activations", f"must be one of {', '.join(QUANT_ACTIVATIONS)}, "
+                                         f"got {spec.quantization.activations!r}")
     if spec.quantization.group_size <= 0 or spec.quantization.group_size % 32:
         fail("quantization.group_size", f"must be a positive multiple of 32, got {spec.quantization.group_size}")
     ck = spec.checkpoint

@@ -63,7 +63,7 @@ def _bound(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     A = |scale * q| + |min - zero * scale| (the magnitudes the kernel sums: it scales each group's
     integer dot product and adds the min / zero part from the group sums of x), twice the
     worst-case fp32 error of a K-term sum (reference and kernel each round once per term)."""
-    rep = (lambda t: t.repeat_interleave(qw.group, dim=1)[:, :qw.k])
+    rep = (lambda t: t.float().repeat_interleave(qw.group, dim=1)[:, :qw.k])
     s = rep(qw.scale)
     off = (rep(qw.min) if qw.min is not None else 0) - qw.zero * s
     a = (s * qw.values()[:, :qw.k].float()).abs() + off.abs()

@@ -9,7 +9,8 @@ converter does.
 Scheduling mirrors the others' settings: at most ``max_num_seqs`` sequences in flight, each
 ``llama_decode`` call carries at most ``max_num_batched_tokens`` tokens, decode tokens first,
 then prompt chunks (chunked prefill). The KV cache is F32 and unified (one pool for all
-sequences). The batch arrays are numpy-backed and filled by slices, and greedy picks one
+sequences). Option ``gguf``: load that file instead (a quantized GGUF as it ships, for the
+same-file comparison of bench/quant_peers.py). The batch arrays are numpy-backed and filled by slices, and greedy picks one
 argmax over all returned logit rows, so the Python side stays off the per-token path.
 """
 from __future__ import annotations
@@ -129,8 +130,11 @@ class Batch:
 def load(wl: dict):
     import llama_cpp
     opts = wl.get("options", {})
-    path = Path(opts["cache_dir"]) / "model-f32.gguf"
-    write_gguf(wl["model_dir"], path)
+    if opts.get("gguf"):     # a given GGUF as it ships (bench/quant_peers.py: the embedded Q4_1)
+        path = Path(opts["gguf"])
+    else:
+        path = Path(opts["cache_dir"]) / "model-f32.gguf"
+        write_gguf(wl["model_dir"], path)
     llama_cpp.llama_backend_init()
     mp = llama_cpp.llama_model_default_params()
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)

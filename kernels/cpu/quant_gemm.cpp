@@ -7,6 +7,9 @@
 //   bits 4: qs uint8 [N, K / 2]; each 32-weight block of a row is 16 bytes, byte j holding weight j
 //           in its low nibble and weight j + 16 in its high nibble (GGUF Q4_0's order); G % 32 == 0.
 //   bits 8: qs int8 [N, K]; G % 16 == 0.
+//   scale / min: float32, or float16 where the format's own scales are fp16 (the legacy GGUF
+//           formats: half the bytes); fp16 ones are converted to fp32 64 rows at a time
+//           (quant_layout.h `for_row_tiles`, exact), so the kernels below read fp32 only.
 // K is a multiple of G (the Python wrapper pads x and the weight for other K).
 //
 // Decode (M <= DECODE_ROWS): threads split the output rows; each row's quantized bytes are read
@@ -26,34 +29,15 @@
 
 #include <immintrin.h>
 
+#include "quant_layout.h"
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int64_t DECODE_ROWS = 16;  // more rows: dequantize tiles once, multiply with at::mm
-constexpr int MR = 4;                // rows of x per register tile in the decode kernels
-
-struct QW {                          // one quantized weight, as the kernels read it
-  const uint8_t* qs;
-  const float* scale;
-  const float* minv;                 // nullptr: no min term
-  int64_t n, k, group, zero, bits;
-  int64_t row_bytes() const { return bits == 4 ? k / 2 : k; }
-  float offset(int64_t row, int64_t g) const {   // min - zero * scale: w = scale * q + offset
-    const float s = scale[row * (k / group) + g];
-    return (minv ? minv[row * (k / group) + g] : 0.f) - static_cast<float>(zero) * s;
-  }
-};
-
-// sum over groups of (min - zero * scale) * xsum: the part of a row's product that does not depend on q
-inline float offset_dot(const QW& w, int64_t row, const float* xsum) {
-  const int64_t ng = w.k / w.group;
-  float acc = 0.f;
-  for (int64_t g = 0; g < ng; ++g) acc += w.offset(row, g) * xsum[g];
-  return acc;
-}
+using namespace zi_quant;
 
 // ------------------------------------------------------------------------------------ scalar
 inline float weight_at(const QW& w, int64_t row, int64_t kk) {
@@ -239,7 +223,6 @@ ZI_AVX2 void dequant_avx2(const QW& w, int64_t n0, int64_t n1, float* dst) {
 }
 
 // ------------------------------------------------------------------------------------ AVX-512
-#define ZI_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
 
 ZI_AVX512 inline void block_avx512(const QW& w, int64_t row, int64_t kb, __m512& w0, __m512& w1) {
   const uint8_t* r = w.qs + row * w.row_bytes();
@@ -258,21 +241,6 @@ ZI_AVX512 inline void block_avx512(const QW& w, int64_t row, int64_t kb, __m512&
   const __m128i* p = reinterpret_cast<const __m128i*>(r + kb * 32);
   w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))), s, o);
   w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), s1, o1);
-}
-
-ZI_AVX512 inline float offset_dot512(const QW& w, int64_t row, const float* xsum) {   // offset_dot, 16 groups a step
-  const int64_t ng = w.k / w.group;
-  const float* sp = w.scale + row * ng;
-  const float* mp = w.minv ? w.minv + row * ng : nullptr;
-  const __m512 z = _mm512_set1_ps(static_cast<float>(w.zero));
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; g += 16) {
-    const __mmask16 k = g + 16 <= ng ? __mmask16(0xFFFF) : __mmask16((1u << (ng - g)) - 1);
-    const __m512 mv = mp ? _mm512_maskz_loadu_ps(k, mp + g) : _mm512_setzero_ps();
-    const __m512 off = _mm512_fnmadd_ps(z, _mm512_maskz_loadu_ps(k, sp + g), mv);
-    acc = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(k, xsum + g), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
 }
 
 template <int R>
@@ -391,35 +359,14 @@ int64_t resolve_isa(int64_t isa) {
   return isa < 0 ? best : isa;
 }
 
-QW make_qw(const at::Tensor& qs, const at::Tensor& scale, const c10::optional<at::Tensor>& minv, int64_t bits,
-           int64_t group, int64_t zero, int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(group > 0 && group % (bits == 4 ? 32 : 16) == 0 && k % group == 0 && k % 32 == 0,
-              "quant_linear: group ", group, " must divide K=", k, " and be a multiple of ", bits == 4 ? 32 : 16,
-              " (K a multiple of 32)");
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu() && qs.element_size() == 1 &&
-                  qs.size(1) == (bits == 4 ? k / 2 : k),
-              "quant_linear: qs must be a contiguous 1-byte CPU tensor [N, ", bits == 4 ? k / 2 : k, "], got ",
-              qs.sizes());
-  const int64_t n = qs.size(0);
-  auto check_groups = [&](const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == n &&
-                    t.size(1) == k / group,
-                "quant_linear: ", what, " must be contiguous float32 [", n, ", ", k / group, "], got ", t.sizes());
-  };
-  check_groups(scale, "scale");
-  const float* mp = nullptr;
-  if (minv.has_value() && minv->defined()) {
-    check_groups(*minv, "min");
-    mp = minv->data_ptr<float>();
-  }
-  return QW{static_cast<const uint8_t*>(qs.data_ptr()), scale.data_ptr<float>(), mp, n, k, group, zero, bits};
-}
-
-void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst) {
-  if (isa == 2) dequant_avx512(w, n0, n1, dst);
-  else if (isa == 1) dequant_avx2(w, n0, n1, dst);
-  else dequant_scalar(w, n0, n1, dst);
+// rows n0..n1 of w dequantized, row r to dst + (r - base) * K
+void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst, int64_t base) {
+  for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
+    float* d = dst + (r0 - base) * w.k;
+    if (isa == 2) dequant_avx512(t, 0, r1 - r0, d);
+    else if (isa == 1) dequant_avx2(t, 0, r1 - r0, d);
+    else dequant_scalar(t, 0, r1 - r0, d);
+  });
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
@@ -437,23 +384,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
     const int64_t ldx = M > 1 ? xc.stride(0) : K;
     float* op = out.data_ptr<float>();
     if (M <= DECODE_ROWS) {
-      // x summed per group, for the min / zero term (min - zero * scale) * sum(x) of each group
-      std::vector<float> xsum;
-      if (w.minv || w.zero) {
-        const int64_t ng = K / w.group;
-        xsum.assign(M * ng, 0.f);
-        for (int64_t m = 0; m < M; ++m)
-          for (int64_t g = 0; g < ng; ++g) {
-            float a = 0.f;
-            for (int64_t j = 0; j < w.group; ++j) a += xp[m * ldx + g * w.group + j];
-            xsum[m * ng + g] = a;
-          }
-      }
+      const std::vector<float> xsum = group_sums(w, xp, ldx, M);   // for the min / zero term
       const float* xs = xsum.empty() ? nullptr : xsum.data();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        if (isa == 2) rows_avx512(w, xp, ldx, M, op, N, n0, n1, xs);
-        else if (isa == 1) rows_avx2(w, xp, ldx, M, op, N, n0, n1, xs);
-        else rows_scalar(w, xp, ldx, M, op, N, n0, n1);
+        for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
+          if (isa == 2) rows_avx512(t, xp, ldx, M, op + r0, N, 0, r1 - r0, xs);
+          else if (isa == 1) rows_avx2(t, xp, ldx, M, op + r0, N, 0, r1 - r0, xs);
+          else rows_scalar(t, xp, ldx, M, op + r0, N, 0, r1 - r0);
+        });
       });
     } else {
       // tiles of about 4 MB of fp32 weight rows: dequantized once (in parallel), used by all M rows
@@ -462,7 +400,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
       for (int64_t t0 = 0; t0 < N; t0 += tile) {
         const int64_t t1 = std::min(N, t0 + tile);
         float* bp = buf.data_ptr<float>();
-        at::parallel_for(t0, t1, 8, [&](int64_t n0, int64_t n1) { dequant_rows(w, isa, n0, n1, bp + (n0 - t0) * K); });
+        at::parallel_for(t0, t1, 8, [&](int64_t n0, int64_t n1) { dequant_rows(w, isa, n0, n1, bp, t0); });
         out.narrow(1, t0, t1 - t0).copy_(at::mm(xc, buf.narrow(0, 0, t1 - t0).t()));
       }
     }
@@ -478,9 +416,9 @@ at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scale, const
                             int64_t bits, int64_t group, int64_t zero, int64_t k, int64_t isa) {
   const QW w = make_qw(qs, scale, minv, bits, group, zero, k);
   isa = resolve_isa(isa);
-  at::Tensor out = at::empty({w.n, k}, scale.options());
+  at::Tensor out = at::empty({w.n, k}, scale.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, w.n, 8, [&](int64_t n0, int64_t n1) { dequant_rows(w, isa, n0, n1, op + n0 * k); });
+  at::parallel_for(0, w.n, 8, [&](int64_t n0, int64_t n1) { dequant_rows(w, isa, n0, n1, op, 0); });
   return out;
 }
 
