@@ -32,9 +32,9 @@ from runtime.spec_decode.proposer import Proposer, make_proposer
 
 EMA = 0.3            # weight of the latest step in a request's acceptance rate
 PRIOR_EMA = 0.05     # weight of one verification in the engine-wide acceptance (`prior`)
-PROBE_EVERY = 8      # a paused request's first probe (one draft) after this many steps ...
-PROBE_BELOW = 0.5    # ... while a draft is cheap (StepCost threshold below this),
-PROBE_COSTLY = 32    # after this many where it is not; each failed probe doubles the wait
+CHEAP = 0.25         # a draft is cheap while the StepCost threshold is below this
+PROBE_EVERY = 8      # a paused request's first probe (one draft) after this many steps if cheap,
+PROBE_COSTLY = 32    # after this many if not; each failed probe doubles the wait
 PROBE_MAX = 256
 
 
@@ -106,7 +106,7 @@ class SpecDecoder:
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         if self.config.adaptive:
             rid = req.request_id
-            cheap = threshold < PROBE_BELOW
+            cheap = threshold < CHEAP
             rate = self.rate.get(rid)
             if rate is None:     # optimistic where a wrong guess is cheap, else what others measured
                 rate = self.rate[rid] = 1.0 if cheap else self.prior
