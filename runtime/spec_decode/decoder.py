@@ -125,15 +125,10 @@ class SpecDecoder:
                     self.probing.add(rid)
         return max(0, min(k, room))
 
-    def step(self, results: dict | None, running: list[Request], num_tokens: int = 0, seconds: float = 0.0,
-             num_reqs: int = 0) -> None:
+    def step(self, results: dict | None, running: list[Request], num_tokens: int = 0, seconds: float = 0.0) -> None:
         """Record the last step (its verified drafts; its size and time, for the cost fit),
-        then propose for the next one. Only decode steps (each of the `num_reqs` scheduled
-        requests one committed token, plus its drafts) enter the fit: a draft's cost is the
-        marginal cost near the decode batch, and prefill chunks of thousands of tokens (cheap
-        per token in one large GEMM) made the fit call drafts at batch 32 nearly free (0.26)."""
-        drafted = sum(r.num_drafts for r in results.values()) if results else 0
-        if num_tokens and (not num_reqs or num_tokens - drafted == num_reqs):
+        then propose for the next one."""
+        if num_tokens:
             self.cost.observe(num_tokens, seconds)
         if results:
             for rid, res in results.items():
