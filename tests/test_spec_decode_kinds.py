@@ -29,20 +29,15 @@ NEW = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW, min_tokens=NEW)
 MAX_LEN, CHUNK = 96, 16       # a 60-token prompt + its output fits; prefill in 16-token chunks
 
-# spec (its kinds) -> a pool (blocks) small enough that this workload preempts; the heavier
-# specs stay out of the default run
+# spec (its kinds) -> a pool (blocks) small enough that this workload preempts and big enough
+# that the first prompt's blocks and state checkpoints survive until it is sent again
 POOL = {"kimi-linear-small": 26,        # KDA + MLA + MoE
         "lfm2-small": 16,               # short_conv
         "minimax-small": 16,            # lightning + MoE
         "deepseek-v4-small": 30,        # swa_shared_kv + CSA + HCA
         "deepseek-v3-small": 9,         # MLA + MoE
         "gpt-oss-small": 13}            # sinks + sliding + MoE
-SLOW = {"deepseek-v4-small"}       # parity only: every rollback test is cheap
 STATE_KINDS = ["kimi-linear-small", "lfm2-small", "minimax-small"]
-
-
-def _params(names, slow=()):
-    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in names]
 
 
 def _install_oracle(monkeypatch, sequences):
@@ -54,7 +49,7 @@ def _generate(llm, prompts):
     return [o.outputs[0].token_ids for o in outs]
 
 
-@pytest.mark.parametrize("name", _params(POOL, SLOW))
+@pytest.mark.parametrize("name", list(POOL))
 def test_greedy_identical_with_speculation_on_every_kind(name, monkeypatch):
     """Chunked prefill, preemption and prefix caching in one engine, equal to the plain run
     token for token: the longest prompt alone first (its blocks and state checkpoints are
@@ -130,7 +125,7 @@ def check_rollback(path, prompt, monkeypatch, ref=None, speculative=SPEC) -> LLM
     return spec_llm
 
 
-@pytest.mark.parametrize("name", _params(STATE_KINDS))
+@pytest.mark.parametrize("name", STATE_KINDS)
 def test_state_rollback_matches_a_plain_run_on_every_state_kind(name, monkeypatch):
     torch.set_num_threads(1)
     check_rollback(ZOO / f"{name}.yaml", _prompts(VOCAB)[4], monkeypatch)
