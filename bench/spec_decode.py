@@ -148,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{w:8} {b:5d} | {tps['off']:9.1f} {tps['ngram']:11.1f} {tps['ngram'] / tps['off']:6.2f} | "
               f"{tpot['off'] * 1e3:7.1f}ms {tpot['ngram'] * 1e3:8.1f}ms {tpot['ngram'] / tpot['off']:6.2f} | "
               f"{accepted / max(1, drafted):6.2f} {1 + accepted / max(1, verifs):5.2f} {same}")
+    dec = engines["ngram"].engine.spec_decoder
+    print("step-cost fit: a draft pays above acceptance "
+          + ", ".join(f"{dec.cost.threshold(b):.2f} at batch {b}" for b in batches)
+          + f"; engine-wide acceptance (prior) {dec.prior:.2f}")
     return 0
 
 

@@ -479,7 +479,39 @@ def test_step_cost_caps_k_where_drafts_do_not_pay():
     dec.rate["a"] = 0.8                  # 0.8, 0.64, 0.51, 0.41 for drafts 1..4
     assert dec._k(req, cost.threshold(1)) == 3        # k * rate rounds to 3
     assert dec._k(req, cost.threshold(32)) == 1       # only 0.8 > 0.76
-    assert all(dec._k(req, 0.9) == 0 for _ in range(20))   # none pays: paused, and no probes either
+    assert all(dec._k(req, 0.9) == 0 for _ in range(20))   # none pays: paused, no probe that soon
+
+
+def test_costly_drafts_start_from_the_measured_acceptance_and_probes_back_off():
+    """Where drafts are cheap a new request starts optimistic (k = 4); where they cost it
+    starts from the engine-wide acceptance, pauses, and probes after PROBE_COSTLY steps, then
+    after twice as long for every failed probe; a good probe resets the wait."""
+    from runtime.request import Request
+    from runtime.spec_decode.decoder import PRIOR_EMA, PROBE_COSTLY, SpecDecoder
+    dec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1000, proposer=Echo())
+
+    def new(rid):
+        req = Request(rid, [1, 2, 3], SamplingParams(temperature=0, max_tokens=500), (), 500)
+        req.append_output_token(4)
+        return req
+
+    a = new("a")
+    assert dec._k(a, 0.05) == 4
+    for _ in range(20):                   # nothing anyone drafts is accepted
+        dec._record("a", 4, 0)
+    assert dec.prior == pytest.approx((1 - PRIOR_EMA) ** 20)
+    assert dec._k(new("cheap"), 0.05) == 4            # cheap: optimistic whatever was measured
+    b = new("b")                                      # costly: rate = prior ~0.36, no draft pays 0.6
+
+    def schedule(n):
+        return [dec._k(b, 0.6) for _ in range(n)]
+    assert schedule(PROBE_COSTLY) == [0] * (PROBE_COSTLY - 1) + [1]
+    dec._record("b", 1, 0)                            # the probe failed: the next waits twice as long
+    assert schedule(2 * PROBE_COSTLY) == [0] * (2 * PROBE_COSTLY - 1) + [1]
+    dec._record("b", 1, 0)
+    assert schedule(4 * PROBE_COSTLY) == [0] * (4 * PROBE_COSTLY - 1) + [1]
+    dec._record("b", 1, 1)                            # a good probe: back to the first wait
+    assert schedule(PROBE_COSTLY) == [0] * (PROBE_COSTLY - 1) + [1]
 
 
 def test_server_flag_errors_in_one_line(tiny_hf, capsys):

@@ -12,12 +12,15 @@ its drafts can be verified exactly as its tokens would be sampled one at a time:
 
 Per-request k adapts to the request's measured acceptance (an exponential moving average
 of accepted / proposed): k * rate drafts, rounded; a request whose rate falls so low that
-this rounds to zero pauses and probes with one draft every `PROBE_EVERY` steps (only where
-drafts are cheap: at a compute-bound batch the probes alone would cost), so a
-request that stops copying stops paying for verification. k is also capped by what a draft
-is worth at the current batch size (`StepCost`): on a compute-bound step only drafts likely
-to be accepted pay for their verification. With `disable_by_batch_size`, no request
-speculates while that many run.
+this rounds to zero pauses and probes with one draft after a wait that doubles with every
+probe that fails (`PROBE_EVERY` steps at first where drafts are cheap, `PROBE_COSTLY` where
+the batch is compute-bound, at most `PROBE_MAX`), so a request that stops copying stops
+paying for verification. k is also capped by what a draft is worth at the current batch size
+(`StepCost`): on a compute-bound step only drafts likely to be accepted pay for their
+verification. A new request starts from the engine's measured acceptance (`prior`, an EMA
+over every verification) where drafts cost, optimistic (rate 1) only where they are cheap:
+with free text at batch 32 one optimistic k = 4 round per request cost ~10% (issue 19).
+With `disable_by_batch_size`, no request speculates while that many run.
 """
 from __future__ import annotations
 
@@ -28,8 +31,11 @@ from runtime.spec_decode.config import SpeculativeConfig
 from runtime.spec_decode.proposer import Proposer, make_proposer
 
 EMA = 0.3            # weight of the latest step in a request's acceptance rate
-PROBE_EVERY = 8      # a paused request proposes one draft this often (steps) ...
-PROBE_BELOW = 0.5    # ... while a draft is cheap (StepCost threshold below this)
+PRIOR_EMA = 0.05     # weight of one verification in the engine-wide acceptance (`prior`)
+CHEAP = 0.25         # a draft is cheap while the StepCost threshold is below this
+PROBE_EVERY = 8      # a paused request's first probe (one draft) after this many steps if cheap,
+PROBE_COSTLY = 32    # after this many if not; each failed probe doubles the wait
+PROBE_MAX = 256
 
 
 class StepCost:
@@ -75,7 +81,10 @@ class SpecDecoder:
         self.proposer = proposer or make_proposer(config)
         self.cost = StepCost()
         self.rate: dict[str, float] = {}          # request id -> acceptance rate (EMA)
+        self.prior = 1.0                          # acceptance over all requests (EMA): a new one's rate
         self.paused: dict[str, int] = {}          # request id -> steps since its last probe
+        self.wait: dict[str, int] = {}            # request id -> steps its next probe waits (backoff)
+        self.probing: set[str] = set()            # requests whose drafts this step are a probe
         k = config.num_speculative_tokens
         self.num_drafts = 0                       # verifications (requests x steps with drafts)
         self.num_draft_tokens = 0                 # draft tokens verified
@@ -97,14 +106,23 @@ class SpecDecoder:
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         if self.config.adaptive:
             rid = req.request_id
-            rate = self.rate.get(rid, 1.0)
+            cheap = threshold < CHEAP
+            rate = self.rate.get(rid)
+            if rate is None:     # optimistic where a wrong guess is cheap, else what others measured
+                rate = self.rate[rid] = 1.0 if cheap else self.prior
             k = int(k * rate + 0.5)
             if threshold > 0:    # draft j is accepted with probability ~ rate^j: keep those that pay
                 k = min(k, int(np.log(threshold) / np.log(rate)) if 0 < rate < 1 else (k if rate >= 1 else 0))
-            if k == 0 and threshold < PROBE_BELOW:
+            if k > 0:
+                self.paused.pop(rid, None)
+            else:
                 waited = self.paused.get(rid, 0) + 1
-                self.paused[rid] = 0 if waited >= PROBE_EVERY else waited
-                k = int(waited >= PROBE_EVERY)
+                wait = self.wait.get(rid) or (PROBE_EVERY if cheap else PROBE_COSTLY)
+                self.wait[rid] = wait
+                self.paused[rid] = 0 if waited >= wait else waited
+                k = int(waited >= wait)
+                if k:
+                    self.probing.add(rid)
         return max(0, min(k, room))
 
     def step(self, results: dict | None, running: list[Request], num_tokens: int = 0, seconds: float = 0.0) -> None:
@@ -119,6 +137,8 @@ class SpecDecoder:
         if len(self.rate) > 2 * len(live) + 64:       # forget requests that left
             self.rate = {k: v for k, v in self.rate.items() if k in live}
             self.paused = {k: v for k, v in self.paused.items() if k in live}
+            self.wait = {k: v for k, v in self.wait.items() if k in live}
+        self.probing.clear()
         reqs, ks = [], []
         off = self.config.disable_by_batch_size is not None and len(running) >= self.config.disable_by_batch_size
         threshold = self.cost.threshold(len(running)) if self.config.adaptive else 0.0
@@ -139,7 +159,10 @@ class SpecDecoder:
         self.num_accepted_tokens += acc
         self.proposed_per_pos[:nd] += 1
         self.accepted_per_pos[:acc] += 1
-        self.rate[rid] = (1 - EMA) * self.rate.get(rid, 1.0) + EMA * acc / nd
+        self.rate[rid] = (1 - EMA) * self.rate.get(rid, self.prior) + EMA * acc / nd
+        self.prior = (1 - PRIOR_EMA) * self.prior + PRIOR_EMA * acc / nd
+        if rid in self.probing:      # a failed probe doubles the wait for the next, a good one resets it
+            self.wait[rid] = min(PROBE_MAX, 2 * self.wait[rid]) if acc == 0 else 0
 
     def stats(self) -> dict:
         """Counters for kv_cache_stats() and /metrics (vLLM's spec_decode names)."""
