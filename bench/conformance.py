@@ -90,7 +90,9 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
     """One file's results from pytest's junit XML (collection errors included). A file that
     fails to collect and imports vLLM modules (its `source`) is not applicable for that."""
     res = FileResult(rel)
-    internal = _VLLM_IMPORT.search(source)
+    mode = xml_path.with_name(xml_path.name + ".vllm")
+    real = mode.exists() and mode.read_text() == "real"     # vLLM importable: no import is "internal"
+    internal = None if real else _VLLM_IMPORT.search(source)
     if not xml_path.exists():
         res.not_applicable = "no results (pytest crashed)"
         return res
@@ -104,7 +106,7 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
             if not case.get("classname") or problem.get("message") == "collection failure":
                 top = missing.group(1).split(".")[0] if missing else None
                 res.not_applicable = (f"imports {internal.group(1)} (vLLM internals)" if internal else
-                                      f"imports {missing.group(1)} (vLLM internals)" if top == "vllm" else
+                                      f"imports {missing.group(1)} (vLLM internals)" if top == "vllm" and not real else
                                       f"needs {missing.group(1)}" if missing else f"collection error: {reason}")
             elif _FIXTURE.search(problem.text or ""):
                 fixture = _FIXTURE.search(problem.text).group(1)
@@ -149,8 +151,9 @@ def run_file(python: Path, checkout: Path, test: Path, spec: str, out_dir: Path,
            "ZOOINFER_CONFORMANCE_TOKENIZER": tokenizer_dir(spec)}
     cmd = [str(python), "-m", "pytest", rel, "-p", "conformance_plugin", "--confcutdir", str(checkout / SUITE),
            "-p", "no:cacheprovider", "-q", "-o", "asyncio_mode=auto", f"--junitxml={xml}"]
-    try:
-        subprocess.run(cmd, cwd=checkout, env=env, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:     # pytest's and the server's output, beside the XML, for reading a failure
+        with open(xml.with_suffix(".log"), "w") as log:
+            subprocess.run(cmd, cwd=checkout, env=env, timeout=timeout, stdout=log, stderr=subprocess.STDOUT)
     except subprocess.TimeoutExpired:
         res = FileResult(rel)
         res.failed.append(("<file>", f"timed out after {timeout} s"))

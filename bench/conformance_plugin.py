@@ -1,12 +1,16 @@
 """pytest plugin that points vLLM's own OpenAI-server tests at our server.
 
-Loaded by `bench.conformance` into a pytest run in a separate venv, inside a vLLM source
-checkout (nothing of vLLM is copied into this repo). It registers, before any test module
-is imported, a `tests.utils` module whose `RemoteOpenAIServer` starts `python -m
-runtime.serve <spec>` (this repo, its own interpreter) under the model name the test asks
-for, and a minimal `vllm.tokenizers.get_tokenizer` that loads the served model's tokenizer
-(the tests only use it to count and spell tokens). Any other `vllm` import fails, so a test
-module that needs vLLM internals fails to collect and is reported as not applicable.
+Loaded by `bench.conformance` into a pytest run inside a vLLM source checkout (nothing of vLLM
+is copied into this repo), before any test module is imported. Its `RemoteOpenAIServer` starts
+`python -m runtime.serve <spec>` (this repo, its own interpreter) under the model name the test
+asks for, and `vllm.tokenizers.get_tokenizer` loads the served model's tokenizer (the tests name
+hub models; there is no hub). Two modes:
+- vLLM importable (`--python` a vLLM venv; the checkout's Python sources come first, so they
+  match its tests): vLLM's own `tests.utils`, protocol types and helpers, only those two swapped;
+- no vLLM: a `tests.utils` with our fixture and a `vllm` package holding only get_tokenizer, so a
+  module needing more of vLLM fails to collect and is reported as not applicable.
+A test that reaches no server (no RemoteOpenAIServer in it, its helpers or its fixtures) tests
+vLLM's Python objects in-process and is skipped as not applicable.
 
 A server argument we cannot honour skips the test with the reason "not applicable: ...";
 the runner groups those reasons. Configuration comes from ZOOINFER_CONFORMANCE_* variables.
@@ -110,7 +114,7 @@ class RemoteOpenAIServer:
         env = {**os.environ, **(env_dict or {})}
         self.proc = subprocess.Popen([PYTHON, "-m", "runtime.serve", SPEC, "--port", str(self.port), *args],
                                      cwd=REPO, env=env, stdout=sys.stderr, stderr=sys.stderr)
-        deadline = time.monotonic() + (max_wait_seconds or 240)
+        deadline = time.monotonic() + max(max_wait_seconds or 0, 600)   # a shared, loaded machine
         import httpx
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -161,7 +165,34 @@ def get_tokenizer(*args, **kwargs):
     return AutoTokenizer.from_pretrained(TOKENIZER)
 
 
-def _install_modules() -> None:
+def _real_vllm() -> bool:
+    """Whether vLLM imports here (`bench.conformance --python` with a vLLM venv; the checkout's
+    own Python sources come first on PYTHONPATH, so they match its tests): then the tests'
+    helpers and protocol types are vLLM's own and only the server is swapped."""
+    if os.environ.get("ZOOINFER_CONFORMANCE_FAKE_VLLM"):
+        return False
+    try:
+        import vllm.tokenizers  # noqa: F401
+        return True
+    except Exception:           # no vLLM, or one that does not import: the fake package below
+        for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+            del sys.modules[name]
+        return False
+
+
+def _install_real() -> None:
+    """vLLM importable: its tests.utils (every helper the tests import), with RemoteOpenAIServer
+    replaced by ours and get_tokenizer answering with the served model's tokenizer (the tests
+    name hub models; the machine has no hub)."""
+    import tests.utils as utils
+    import vllm.tokenizers as tokenizers
+    utils.RemoteOpenAIServer = RemoteOpenAIServer
+    tokenizers.get_tokenizer = get_tokenizer
+
+
+def _install_fake() -> None:
+    """No vLLM: a `tests.utils` with our fixture and a `vllm` package holding only
+    get_tokenizer, so a file needing any other vLLM module fails to collect (not applicable)."""
     utils = types.ModuleType("tests.utils")
     utils.RemoteOpenAIServer = RemoteOpenAIServer
     utils.ROCM_EXTRA_ARGS = []
@@ -176,5 +207,35 @@ def _install_modules() -> None:
     tests.utils = utils
 
 
+def _uses_server(item) -> bool:
+    """Whether a test reaches a server: RemoteOpenAIServer in its body, in a module helper it
+    calls, or in a fixture of its closure. The others test vLLM's Python objects in-process."""
+    import inspect
+
+    def src(fn) -> str:
+        try:
+            return inspect.getsource(fn)
+        except (OSError, TypeError):
+            return ""
+    module = getattr(item, "module", None)
+    helpers = {n for n, f in vars(module).items() if inspect.isfunction(f) and "RemoteOpenAIServer(" in src(f)} if module else set()
+    funcs = [getattr(item, "function", None)] + [fd.func for fds in item._fixtureinfo.name2fixturedefs.values() for fd in fds]
+    return any("RemoteOpenAIServer" in text or any(h + "(" in text for h in helpers) for text in map(src, funcs))
+
+
+def pytest_configure(config):
+    xml = getattr(config.option, "xmlpath", None)
+    if xml:       # tells the runner which vLLM the tests ran with (real: import failures are errors)
+        with open(xml + ".vllm", "w") as f:
+            f.write("real" if REAL_VLLM else "fake")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not _uses_server(item):
+            item.add_marker(pytest.mark.skip(reason="not applicable: in-process test of vLLM's Python objects (no server)"))
+
+
+REAL_VLLM = _real_vllm()
 # At import (`-p conformance_plugin`), before pytest loads any conftest that imports tests.utils.
-_install_modules()
+(_install_real if REAL_VLLM else _install_fake)()

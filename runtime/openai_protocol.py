@@ -352,3 +352,17 @@ def error_body(message: str, err_type: str = "invalid_request_error", param: str
     """The OpenAI error JSON shape."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
+
+class APIError(Exception):
+    """An HTTP error answered in the OpenAI error shape (`error_body`); `param` names the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
+
+
+def bad_param(e: ValueError) -> APIError:
+    """A 400 for a refused value; SamplingParams' messages lose their class prefix here."""
+    message = str(e).removeprefix("SamplingParams.")
+    return APIError(400, message, getattr(e, "param", None), "invalid_request")
