@@ -149,7 +149,7 @@ def run_file(python: Path, checkout: Path, test: Path, spec: str, out_dir: Path,
     env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{ROOT / 'bench'}", "ZOOINFER_CONFORMANCE_REPO": str(ROOT),
            "ZOOINFER_CONFORMANCE_PYTHON": sys.executable, "ZOOINFER_CONFORMANCE_SPEC": spec,
            "ZOOINFER_CONFORMANCE_TOKENIZER": tokenizer_dir(spec)}
-    cmd = [str(python), "-m", "pytest", rel, "-p", "conformance_plugin", "--confcutdir", str(checkout / SUITE),
+    cmd = [str(python), "-m", "pytest", rel, "-p", "conformance_plugin", "--confcutdir", str(checkout / SUITE.parent),
            "-p", "no:cacheprovider", "-q", "-o", "asyncio_mode=auto", f"--junitxml={xml}"]
     try:     # pytest's and the server's output, beside the XML, for reading a failure
         with open(xml.with_suffix(".log"), "w") as log:

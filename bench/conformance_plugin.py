@@ -43,8 +43,10 @@ IGNORED = {"--enforce-eager", "--enable-auto-tool-choice", "--trust-remote-code"
            "--disable-log-requests", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",
            "--disable-log-stats", "--no-async-scheduling", "--enable-chunked-prefill", "--enable-per-request-metrics",
            "--trust-request-chat-template"}
+# LoRA: the server runs without the adapters; the tests that name one are skipped (LORA_NAMES).
+LORA_FLAGS = {"--enable-lora", "--lora-modules", "--max-lora-rank", "--max-loras", "--max-cpu-loras", "--lora-module"}
+LORA_NAMES: set[str] = set()
 NOT_APPLICABLE = {
-    "--enable-lora": "LoRA", "--lora-modules": "LoRA", "--max-lora-rank": "LoRA", "--max-loras": "LoRA",
     "--enable-prompt-embeds": "multimodal / prompt embeddings", "--limit-mm-per-prompt": "multimodal",
     "--reasoning-parser": "reasoning models (vLLM reasoning parsers)", "--tool-server": "MCP tool server",
     "--chat-template": "a vLLM example chat template file", "--tokenizer-mode": "vLLM tokenizer modes",
@@ -52,7 +54,7 @@ NOT_APPLICABLE = {
     "--hf-overrides": "HF config overrides", "--root-path": "ASGI root path", "--uds": "unix sockets",
     "--return-tokens-as-token-ids": "vLLM server-wide flag (we take it per request)",
     "--enable-server-load-tracking": "vLLM-internal metrics", "--override-generation-config": "vLLM generation config",
-    "--tool-parser-plugin": "vLLM plugin", "--lora-module": "LoRA", "--max-cpu-loras": "LoRA",
+    "--tool-parser-plugin": "vLLM plugin",
     "--enable-force-include-usage": "vLLM server-wide usage flag", "--watermark-config": "vLLM watermarking",
     "--skip-tokenizer-init": "serving without a tokenizer", "--runner": "pooling / non-generate runners",
     "--reasoning-config": "reasoning models", "--chat-template-content-format": "vLLM content-format modes",
@@ -69,10 +71,19 @@ def translate(model: str, args: list[str]) -> list[str]:
         a, value = args[i], None
         if "=" in a and a.startswith("--"):
             a, value = a.split("=", 1)
-        takes = a in PASSED or a in IGNORED_WITH_VALUE or a in NOT_APPLICABLE
+        takes = a in PASSED or a in IGNORED_WITH_VALUE or a in NOT_APPLICABLE or a in LORA_FLAGS
         if value is None and takes and i + 1 < len(args) and not args[i + 1].startswith("--"):
             value, i = args[i + 1], i + 1
+        if a in ("--lora-modules", "--lora-module"):      # name=path ... (or JSON objects)
+            while True:
+                LORA_NAMES.add(value.split("=", 1)[0] if "=" in value else value)
+                if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                    value, i = args[i + 1], i + 1
+                else:
+                    break
         i += 1
+        if a in LORA_FLAGS:
+            continue
         if a in NOT_APPLICABLE:
             pytest.skip(f"not applicable: {NOT_APPLICABLE[a]} ({a})")
         if a in IGNORED or a in IGNORED_WITH_VALUE:
@@ -180,14 +191,24 @@ def _real_vllm() -> bool:
         return False
 
 
+class _NoHub:
+    """vLLM's hf_api() for the LoRA fixtures: no hub here, so a path that names the adapter
+    (the server runs without it, and the tests that use it are skipped)."""
+
+    def snapshot_download(self, repo_id: str, **_) -> str:
+        return f"/nonexistent-lora/{repo_id}"
+
+
 def _install_real() -> None:
     """vLLM importable: its tests.utils (every helper the tests import), with RemoteOpenAIServer
     replaced by ours and get_tokenizer answering with the served model's tokenizer (the tests
     name hub models; the machine has no hub)."""
     import tests.utils as utils
     import vllm.tokenizers as tokenizers
+    import vllm.transformers_utils.repo_utils as repo_utils
     utils.RemoteOpenAIServer = RemoteOpenAIServer
     tokenizers.get_tokenizer = get_tokenizer
+    repo_utils.hf_api = _NoHub
 
 
 def _install_fake() -> None:
@@ -228,6 +249,21 @@ def pytest_configure(config):
     if xml:       # tells the runner which vLLM the tests ran with (real: import failures are errors)
         with open(xml + ".vllm", "w") as f:
             f.write("real" if REAL_VLLM else "fake")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item):
+    """A test that asks for a LoRA adapter (a parameter or a literal naming one) is skipped:
+    its server runs without adapters."""
+    import inspect
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    try:
+        source = inspect.getsource(item.function)
+    except (OSError, TypeError):
+        source = ""
+    used = [n for n in LORA_NAMES if n in params.values() or f'"{n}"' in source or f"'{n}'" in source]
+    if used:
+        pytest.skip(f"not applicable: LoRA adapter {used[0]!r}")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,47 @@
+"""vLLM's POST /v1/chat/completions/batch: several conversations in one call.
+
+The body is a chat completions request whose `messages` is a list of conversations; each is
+rendered through the chat template on its own and all are enqueued together (one
+`OpenAIServer.start`, so a bad one refuses the whole call before anything runs). The answer
+is one chat.completion with choice i for conversation i. As vLLM's: not streaming, no tools,
+no beam search, n = 1 - each a 400 naming the field.
+"""
+from __future__ import annotations
+
+import time
+
+from fastapi import FastAPI, Request
+
+from runtime.openai_protocol import APIError, ChatCompletionRequest, ChatMessage
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    messages: list[list[ChatMessage]]
+
+    def conversations(self) -> list[ChatCompletionRequest]:
+        """One single-conversation request per conversation, every other field shared."""
+        if not self.messages:
+            raise APIError(400, "messages: at least one conversation is required", "messages")
+        for field, refused in (("stream", self.stream), ("tools", self.tools), ("use_beam_search", self.use_beam_search),
+                               ("n", self.n != 1)):
+            if refused:
+                raise APIError(400, f"{field}: not supported by /v1/chat/completions/batch", field)
+        fields = self.model_dump(exclude={"messages"}, exclude_unset=True)
+        return [ChatCompletionRequest.model_validate({**fields, "messages": []}).model_copy(update={"messages": conv})
+                for conv in self.messages]
+
+
+def add_routes(app: FastAPI, server) -> None:
+    """Register the route on `server`'s app (runtime/serve.py)."""
+
+    @app.post("/v1/chat/completions/batch")
+    async def chat_batch(body: BatchChatCompletionRequest, raw: Request):
+        singles = body.conversations()
+        prompts = [server.render_chat(single)[0] for single in singles]   # each checked and templated
+        first = singles[0]
+        base, started = await server.start(prompts, first, first.output_limit, first.logprobs_k)
+        finals = await server.collect(raw, started, 1)
+        choices = [{"index": i, **server._message(out, None, "message"), "logprobs": server.chat_logprobs(out, first),
+                    **server._token_ids(first, out, prompt=False)} for i, out in sorted(finals.items())]
+        return {"id": f"chatcmpl-{base}", "object": "chat.completion", "created": int(time.time()),
+                "model": server.model_name, "choices": choices, "usage": server.usage(started, finals.values())}

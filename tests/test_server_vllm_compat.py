@@ -1,0 +1,53 @@
+"""vLLM's own endpoints and fields that its entrypoint tests use (bench.conformance), on a real
+server: /v1/chat/completions/batch answers each conversation exactly as /v1/chat/completions
+does alone, and refuses what vLLM refuses there with a 400 naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from tests.serving import error_of, tiny_chat_client
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with tiny_chat_client(tmp_path_factory.mktemp("vllm-compat")) as served:
+        yield served
+
+
+CONVS = [[{"role": "user", "content": "Reply with exactly the word: alpha"}],
+         [{"role": "user", "content": "Say beta"}, {"role": "assistant", "content": "beta"},
+          {"role": "user", "content": "again"}]]
+
+
+def test_chat_batch_matches_single_calls(served):
+    http, _ = served
+    common = {"max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 2, "return_token_ids": True}
+    r = http.post("/v1/chat/completions/batch", json={"messages": CONVS, **common})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and [c["index"] for c in body["choices"]] == [0, 1]
+    singles = [http.post("/v1/chat/completions", json={"messages": conv, **common}).json() for conv in CONVS]
+    for choice, single in zip(body["choices"], singles):
+        want = single["choices"][0]
+        assert choice["message"] == want["message"] and choice["token_ids"] == want["token_ids"]
+        assert choice["finish_reason"] == want["finish_reason"]
+        assert [e["token"] for e in choice["logprobs"]["content"]] == [e["token"] for e in want["logprobs"]["content"]]
+    assert body["usage"]["prompt_tokens"] == sum(s["usage"]["prompt_tokens"] for s in singles)
+    assert body["usage"]["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+    spelled = http.post("/v1/chat/completions/batch", json={"messages": CONVS[:1], **common,
+                                                            "return_tokens_as_token_ids": True}).json()
+    ids = singles[0]["choices"][0]["token_ids"]
+    assert [e["token"] for e in spelled["choices"][0]["logprobs"]["content"]] == [f"token_id:{t}" for t in ids]
+
+
+@pytest.mark.parametrize("extra,param", [({"stream": True}, "stream"), ({"n": 2}, "n"),
+                                         ({"use_beam_search": True}, "use_beam_search"),
+                                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")])
+def test_chat_batch_refusals(served, extra, param):
+    http, _ = served
+    r = http.post("/v1/chat/completions/batch", json={"messages": CONVS, "max_tokens": 2, **extra})
+    assert r.status_code == 400 and error_of(r)["param"] == param, r.text
+    r = http.post("/v1/chat/completions/batch", json={"messages": [], "max_tokens": 2})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages", r.text
+    r = http.post("/v1/chat/completions/batch", json={"messages": [CONVS[0], []], "max_tokens": 2})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages", r.text
