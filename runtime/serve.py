@@ -22,7 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime import chat_batch, responses_api, tokenize_api
+from runtime import responses_api, tokenize_api, vllm_routes
 from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
 from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, SafeJSONResponse
 from runtime.limits import short_repr
@@ -75,7 +75,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app.get("/v1/models")(server.models)
     tokenize_api.add_routes(app, server, APIError)
     responses_api.add_routes(app, server, bad_param)
-    chat_batch.add_routes(app, server)
+    vllm_routes.add_routes(app, server)
 
     @app.get("/health")
     async def health():

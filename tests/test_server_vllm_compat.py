@@ -1,6 +1,7 @@
 """vLLM's own endpoints and fields that its entrypoint tests use (bench.conformance), on a real
-server: /v1/chat/completions/batch answers each conversation exactly as /v1/chat/completions
-does alone, and refuses what vLLM refuses there with a 400 naming the field."""
+server: /invocations routes a body to chat or completions with their exact answers;
+/v1/chat/completions/batch answers each conversation exactly as /v1/chat/completions does
+alone and refuses what vLLM refuses there with a 400 naming the field."""
 from __future__ import annotations
 
 import pytest
@@ -51,3 +52,17 @@ def test_chat_batch_refusals(served, extra, param):
     assert r.status_code == 400 and error_of(r)["param"] == "messages", r.text
     r = http.post("/v1/chat/completions/batch", json={"messages": [CONVS[0], []], "max_tokens": 2})
     assert r.status_code == 400 and error_of(r)["param"] == "messages", r.text
+
+
+def test_invocations_is_chat_or_completions(served):
+    http, _ = served
+    chat = {"messages": CONVS[0], "max_tokens": 5, "temperature": 0, "logprobs": True}
+    want, got = (http.post(route, json=chat).json() for route in ("/v1/chat/completions", "/invocations"))
+    assert got["object"] == "chat.completion" and got["choices"] == want["choices"] and set(got) == set(want)
+    completion = {"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}
+    want, got = (http.post(route, json=completion).json() for route in ("/v1/completions", "/invocations"))
+    assert got["object"] == "text_completion" and got["choices"] == want["choices"]
+    r = http.post("/invocations", json={"input": "hi"})
+    assert r.status_code == 400 and error_of(r)["param"] == "body", r.text
+    r = http.post("/invocations", json={"prompt": "hi", "max_tokens": "many"})
+    assert r.status_code == 400 and error_of(r)["param"] == "max_tokens", r.text

@@ -1,6 +1,9 @@
-"""vLLM's POST /v1/chat/completions/batch: several conversations in one call.
+"""vLLM's own routes beside OpenAI's: POST /v1/chat/completions/batch and POST /invocations.
 
-The body is a chat completions request whose `messages` is a list of conversations; each is
+/invocations (SageMaker's entry point) is /v1/chat/completions for a body with `messages` and
+/v1/completions for one with `prompt`, the same handlers and answers.
+
+/v1/chat/completions/batch: several conversations in one call. The body is a chat completions request whose `messages` is a list of conversations; each is
 rendered through the chat template on its own and all are enqueued together (one
 `OpenAIServer.start`, so a bad one refuses the whole call before anything runs). The answer
 is one chat.completion with choice i for conversation i. As vLLM's: not streaming, no tools,
@@ -11,8 +14,10 @@ from __future__ import annotations
 import time
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
 
-from runtime.openai_protocol import APIError, ChatCompletionRequest, ChatMessage
+from runtime.openai_protocol import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
 class BatchChatCompletionRequest(ChatCompletionRequest):
@@ -32,7 +37,23 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
 
 
 def add_routes(app: FastAPI, server) -> None:
-    """Register the route on `server`'s app (runtime/serve.py)."""
+    """Register the routes on `server`'s app (runtime/serve.py)."""
+
+    @app.post("/invocations")
+    async def invocations(raw: Request):
+        try:
+            data = await raw.json()
+        except ValueError:
+            raise APIError(400, "body: not valid JSON", "body") from None
+        kind = (ChatCompletionRequest if isinstance(data, dict) and "messages" in data else
+                CompletionRequest if isinstance(data, dict) and "prompt" in data else None)
+        if kind is None:
+            raise APIError(400, "body: /invocations needs `messages` (chat) or `prompt` (completions)", "body")
+        try:
+            body = kind.model_validate(data)
+        except ValidationError as e:      # the app's handler words it as for the routes themselves
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        return await (server.chat(body, raw) if kind is ChatCompletionRequest else server.completions(body, raw))
 
     @app.post("/v1/chat/completions/batch")
     async def chat_batch(body: BatchChatCompletionRequest, raw: Request):
