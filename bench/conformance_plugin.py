@@ -31,6 +31,7 @@ REPO = os.environ.get("ZOOINFER_CONFORMANCE_REPO", "")
 PYTHON = os.environ.get("ZOOINFER_CONFORMANCE_PYTHON", sys.executable)
 SPEC = os.environ.get("ZOOINFER_CONFORMANCE_SPEC", "zoo/smollm2-135m.yaml")
 TOKENIZER = os.environ.get("ZOOINFER_CONFORMANCE_TOKENIZER", "")
+MAX_MODEL_LEN = int(os.environ.get("ZOOINFER_CONFORMANCE_MAX_MODEL_LEN", "2048"))
 
 # vLLM server flags, by what we do with them. Flags with a value consume it.
 PASSED = {"--max-model-len", "--max-num-seqs", "--api-key", "--tool-call-parser", "--max-num-batched-tokens",
@@ -98,6 +99,8 @@ def translate(model: str, args: list[str]) -> list[str]:
                 out[1] = value
             elif a == "--port":
                 port = int(value)
+            elif a == "--max-model-len":    # a sizing knob: capped, since a test without max_tokens
+                out += [a, str(min(int(value), MAX_MODEL_LEN))]   # generates up to it (CPU, shared)
             else:
                 out += [a, value]
             continue
@@ -105,6 +108,8 @@ def translate(model: str, args: list[str]) -> list[str]:
             out.append("--no-prefix-caching")
             continue
         pytest.skip(f"not applicable: vLLM server flag {a}")
+    if "--max-model-len" not in out:
+        out += ["--max-model-len", str(MAX_MODEL_LEN)]
     return out, port
 
 
