@@ -34,7 +34,7 @@ TOKENIZER = os.environ.get("ZOOINFER_CONFORMANCE_TOKENIZER", "")
 MAX_MODEL_LEN = int(os.environ.get("ZOOINFER_CONFORMANCE_MAX_MODEL_LEN", "2048"))
 
 # vLLM server flags, by what we do with them. Flags with a value consume it.
-PASSED = {"--max-model-len", "--max-num-seqs", "--api-key", "--tool-call-parser", "--max-num-batched-tokens",
+PASSED = {"--root-path", "--max-model-len", "--max-num-seqs", "--api-key", "--tool-call-parser", "--max-num-batched-tokens",
           "--served-model-name", "--port", "--structured-outputs-config.backend"}
 # Sizing, precision and device knobs whose answer is ours (fp32 CPU, our backends), logging.
 IGNORED_WITH_VALUE = {"--seed", "--dtype", "--gpu-memory-utilization", "--max-logprobs", "--tensor-parallel-size",
@@ -52,7 +52,7 @@ NOT_APPLICABLE = {
     "--reasoning-parser": "reasoning models (vLLM reasoning parsers)", "--tool-server": "MCP tool server",
     "--chat-template": "a vLLM example chat template file", "--tokenizer-mode": "vLLM tokenizer modes",
     "--quantization": "quantized big model", "--speculative-config": "speculative decoding config",
-    "--hf-overrides": "HF config overrides", "--root-path": "ASGI root path", "--uds": "unix sockets",
+    "--hf-overrides": "HF config overrides", "--uds": "unix sockets",
     "--return-tokens-as-token-ids": "vLLM server-wide flag (we take it per request)",
     "--enable-server-load-tracking": "vLLM-internal metrics", "--override-generation-config": "vLLM generation config",
     "--tool-parser-plugin": "vLLM plugin",
@@ -126,6 +126,8 @@ class RemoteOpenAIServer:
     def __init__(self, model: str, vllm_serve_args: list[str], *, env_dict: dict | None = None, seed: int | None = 0,
                  auto_port: bool = True, max_wait_seconds: float | None = None, **_):
         args, port = translate(model, list(vllm_serve_args))
+        if (env_dict or {}).get("VLLM_API_KEY"):       # vLLM reads the key from the environment too
+            args += ["--api-key", env_dict["VLLM_API_KEY"]]
         self.host, self.port = "127.0.0.1", port or _free_port()
         env = {**os.environ, **(env_dict or {})}
         self.proc = subprocess.Popen([PYTHON, "-m", "runtime.serve", SPEC, "--port", str(self.port), *args],

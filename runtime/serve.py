@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime import responses_api, tokenize_api, vllm_routes
 from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, SafeJSONResponse
+from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, RootPath, SafeJSONResponse
 from runtime.limits import short_repr
 from runtime.metrics import ServerMetrics
 from runtime.openai_protocol import error_body
@@ -35,7 +35,7 @@ log = logging.getLogger("zooinfer")
 
 def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
               api_key: str | None = None, max_body_bytes: int = 4 << 20, body_timeout: float = 30.0,
-              tool_parser: str | None = None) -> FastAPI:
+              tool_parser: str | None = None, root_path: str | None = None) -> FastAPI:
     server = OpenAIServer(engine, model_name, api_key, tool_parser)
 
     @asynccontextmanager
@@ -93,6 +93,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(BodyGuard, max_bytes=max_body_bytes, timeout=body_timeout)
     app.add_middleware(RequestIdHeader)
+    if root_path and root_path.strip("/"):
+        app.add_middleware(RootPath, root_path=root_path)
     return app
 
 
@@ -143,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="store each new KV block in the disk / remote tiers at once (shared prefixes)")
     ap.add_argument("--kv-tier-salt", default="", help="part of the KV tiers' fingerprint")
     ap.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
+    ap.add_argument("--root-path", default=None, help="also serve every route under this prefix (behind a proxy)")
     ap.add_argument("--swap-min-tokens", type=int, default=256, help="auto: swap requests with this many computed tokens")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     async_engine.start()
     try:
         app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes, args.body_timeout,
-                        args.tool_call_parser)
+                        args.tool_call_parser, args.root_path)
     except ValueError as e:          # an unknown tool parser (flag or spec)
         print(f"error: {e}", file=sys.stderr)
         async_engine.shutdown()

@@ -1,7 +1,8 @@
 """vLLM's own endpoints and fields that its entrypoint tests use (bench.conformance), on a real
 server: /invocations routes a body to chat or completions with their exact answers;
 /v1/chat/completions/batch answers each conversation exactly as /v1/chat/completions does
-alone and refuses what vLLM refuses there with a 400 naming the field."""
+alone and refuses what vLLM refuses there with a 400 naming the field; --root-path serves
+the routes under a prefix as well."""
 from __future__ import annotations
 
 import pytest
@@ -66,3 +67,21 @@ def test_invocations_is_chat_or_completions(served):
     assert r.status_code == 400 and error_of(r)["param"] == "body", r.text
     r = http.post("/invocations", json={"prompt": "hi", "max_tokens": "many"})
     assert r.status_code == 400 and error_of(r)["param"] == "max_tokens", r.text
+
+
+def test_root_path_serves_both_paths():
+    """--root-path (runtime.http_guards.RootPath): /llm/v1/x and /v1/x reach the same route,
+    the API key check still applies under the prefix, other paths stay 404."""
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    from runtime.http_guards import ApiKeyAuth, RootPath
+    app = FastAPI()
+    app.get("/v1/models")(lambda: {"ok": True})
+    app.add_middleware(ApiKeyAuth, api_key="k")
+    app.add_middleware(RootPath, root_path="/llm/")
+    client = TestClient(app)
+    for path in ("/v1/models", "/llm/v1/models"):
+        assert client.get(path, headers={"Authorization": "Bearer k"}).json() == {"ok": True}
+        assert client.get(path, headers={"Authorization": "Bearer x"}).status_code == 401
+    assert client.get("/llmx/v1/models", headers={"Authorization": "Bearer k"}).status_code == 404
