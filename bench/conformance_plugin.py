@@ -40,6 +40,7 @@ PASSED = {"--root-path", "--max-model-len", "--max-num-seqs", "--api-key", "--to
 IGNORED_WITH_VALUE = {"--seed", "--dtype", "--gpu-memory-utilization", "--max-logprobs", "--tensor-parallel-size",
                       "--kv-cache-dtype", "--block-size", "--swap-space", "--distributed-executor-backend",
                       "--load-format", "--attention-backend", "--host"}
+FLAGS = {"--return-tokens-as-token-ids", "--enable-force-include-usage"}     # passed on, no value
 IGNORED = {"--enforce-eager", "--enable-auto-tool-choice", "--trust-remote-code", "--enable-prefix-caching",
            "--disable-log-requests", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",
            "--disable-log-stats", "--no-async-scheduling", "--enable-chunked-prefill", "--enable-per-request-metrics",
@@ -53,10 +54,9 @@ NOT_APPLICABLE = {
     "--chat-template": "a vLLM example chat template file", "--tokenizer-mode": "vLLM tokenizer modes",
     "--quantization": "quantized big model", "--speculative-config": "speculative decoding config",
     "--hf-overrides": "HF config overrides", "--uds": "unix sockets",
-    "--return-tokens-as-token-ids": "vLLM server-wide flag (we take it per request)",
     "--enable-server-load-tracking": "vLLM-internal metrics", "--override-generation-config": "vLLM generation config",
     "--tool-parser-plugin": "vLLM plugin",
-    "--enable-force-include-usage": "vLLM server-wide usage flag", "--watermark-config": "vLLM watermarking",
+"--watermark-config": "vLLM watermarking",
     "--skip-tokenizer-init": "serving without a tokenizer", "--runner": "pooling / non-generate runners",
     "--reasoning-config": "reasoning models", "--chat-template-content-format": "vLLM content-format modes",
     "--exclude-tools-when-tool-choice-none": "vLLM server-wide template flag",
@@ -103,6 +103,9 @@ def translate(model: str, args: list[str]) -> list[str]:
                 out += [a, str(min(int(value), MAX_MODEL_LEN))]   # generates up to it (CPU, shared)
             else:
                 out += [a, value]
+            continue
+        if a in FLAGS:
+            out.append(a)
             continue
         if a == "--no-enable-prefix-caching":
             out.append("--no-prefix-caching")

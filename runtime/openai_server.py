@@ -23,7 +23,7 @@ from runtime.limits import ParamError, short_repr
 from runtime.openai_chat import ChatRoutes
 from runtime.openai_completions import CompletionRoutes
 from runtime.openai_logprobs import LogprobsFormat
-from runtime.openai_protocol import APIError, bad_param
+from runtime.openai_protocol import APIError, StreamOptions, bad_param
 from runtime.openai_streaming import StreamingMixin
 from runtime.outputs import RequestOutput
 from runtime.structured_outputs import StructuredOutputsParams
@@ -36,8 +36,10 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
     """The HTTP routes; one instance per served model."""
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
-                 tool_parser: str | None = None):
+                 tool_parser: str | None = None, force_include_usage: bool = False,
+                 return_tokens_as_token_ids: bool = False):
         self.engine = engine
+        self.force_include_usage, self.tokens_as_ids = force_include_usage, return_tokens_as_token_ids
         self.tool_parser = tool_calls.get_parser(tool_parser or engine.engine.spec.tool_parser)
         self.model_name = model_name
         self.api_key = api_key
@@ -45,6 +47,14 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
         self.tokenizer = engine.engine.tokenizer
         self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self.created = int(time.time())
+
+    def apply_server_flags(self, body) -> None:
+        """vLLM's server-wide flags, as if the request had asked: --enable-force-include-usage
+        (a stream's usage on every chunk and at its end), --return-tokens-as-token-ids."""
+        if self.force_include_usage and body.stream:
+            body.stream_options = StreamOptions(include_usage=True, continuous_usage_stats=True)
+        if self.tokens_as_ids:
+            body.return_tokens_as_token_ids = True
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
@@ -56,6 +66,7 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
         """Validate every prompt and enqueue it with its n samples (the engine forks them:
         runtime/parallel_sampling.py); all or nothing. Returns the call's id and, per prompt,
         (prompt index, request, stream)."""
+        self.apply_server_flags(body)
         try:
             body.check()
             params = body.sampling_params(max_tokens, logprobs)

@@ -35,8 +35,9 @@ log = logging.getLogger("zooinfer")
 
 def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
               api_key: str | None = None, max_body_bytes: int = 4 << 20, body_timeout: float = 30.0,
-              tool_parser: str | None = None, root_path: str | None = None) -> FastAPI:
-    server = OpenAIServer(engine, model_name, api_key, tool_parser)
+              tool_parser: str | None = None, root_path: str | None = None,
+              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
+    server = OpenAIServer(engine, model_name, api_key, tool_parser, force_include_usage, return_tokens_as_token_ids)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -146,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-tier-salt", default="", help="part of the KV tiers' fingerprint")
     ap.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
     ap.add_argument("--root-path", default=None, help="also serve every route under this prefix (behind a proxy)")
+    ap.add_argument("--enable-force-include-usage", action="store_true",
+                    help="streams carry usage on every chunk and at the end, asked for or not (vLLM's flag)")
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help="logprob tokens spelled token_id:<id> for every request (vLLM's flag)")
     ap.add_argument("--swap-min-tokens", type=int, default=256, help="auto: swap requests with this many computed tokens")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -199,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     async_engine.start()
     try:
         app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes, args.body_timeout,
-                        args.tool_call_parser, args.root_path)
+                        args.tool_call_parser, args.root_path, args.enable_force_include_usage,
+                        args.return_tokens_as_token_ids)
     except ValueError as e:          # an unknown tool parser (flag or spec)
         print(f"error: {e}", file=sys.stderr)
         async_engine.shutdown()

@@ -85,3 +85,24 @@ def test_root_path_serves_both_paths():
         assert client.get(path, headers={"Authorization": "Bearer k"}).json() == {"ok": True}
         assert client.get(path, headers={"Authorization": "Bearer x"}).status_code == 401
     assert client.get("/llmx/v1/models", headers={"Authorization": "Bearer k"}).status_code == 404
+
+
+def test_server_wide_flags_set_the_request_fields():
+    """--enable-force-include-usage and --return-tokens-as-token-ids act as the per-request
+    fields (whose behaviour test_server_api_fields checks): usage on every chunk of a stream
+    only, token_id spelling for every request."""
+    from types import SimpleNamespace
+
+    from runtime.openai_protocol import CompletionRequest
+    from runtime.openai_server import OpenAIServer
+    on = SimpleNamespace(force_include_usage=True, tokens_as_ids=True)
+    stream, plain = CompletionRequest(prompt="x", stream=True), CompletionRequest(prompt="x")
+    for body in (stream, plain):
+        OpenAIServer.apply_server_flags(on, body)
+        assert body.return_tokens_as_token_ids is True
+    assert stream.stream_options.include_usage and stream.stream_options.continuous_usage_stats
+    assert plain.stream_options is None
+    plain.check()                        # stream_options stays refused without stream: not set here
+    off = CompletionRequest(prompt="x", stream=True)
+    OpenAIServer.apply_server_flags(SimpleNamespace(force_include_usage=False, tokens_as_ids=False), off)
+    assert off.stream_options is None and off.return_tokens_as_token_ids is False
