@@ -40,10 +40,10 @@ PASSED = {"--root-path", "--max-model-len", "--max-num-seqs", "--api-key", "--to
 IGNORED_WITH_VALUE = {"--seed", "--dtype", "--gpu-memory-utilization", "--max-logprobs", "--tensor-parallel-size",
                       "--kv-cache-dtype", "--block-size", "--swap-space", "--distributed-executor-backend",
                       "--load-format", "--attention-backend", "--host"}
-FLAGS = {"--return-tokens-as-token-ids", "--enable-force-include-usage"}     # passed on, no value
+FLAGS = {"--return-tokens-as-token-ids", "--enable-force-include-usage", "--enable-per-request-metrics"}     # passed on, no value
 IGNORED = {"--enforce-eager", "--enable-auto-tool-choice", "--trust-remote-code", "--enable-prefix-caching",
            "--disable-log-requests", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",
-           "--disable-log-stats", "--no-async-scheduling", "--enable-chunked-prefill", "--enable-per-request-metrics",
+           "--disable-log-stats", "--no-async-scheduling", "--enable-chunked-prefill",
            "--trust-request-chat-template"}
 # LoRA: the server runs without the adapters; the tests that name one are skipped (LORA_NAMES).
 LORA_FLAGS = {"--enable-lora", "--lora-modules", "--max-lora-rank", "--max-loras", "--max-cpu-loras", "--lora-module"}

@@ -34,13 +34,15 @@ class ChatRoutes:
         if body.stream:
             head["object"] = "chat.completion.chunk"
             return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
-        finals = await self.collect(raw, started, body.n)
+        times = self.token_times()
+        finals = await self.collect(raw, started, body.n, times)
         choices = [{"index": i, **self._message(out, mode, "message"),
                     "logprobs": self.chat_logprobs(out, body), **self._token_ids(body, out, prompt=False)}
                    for i, out in sorted(finals.items())]
         extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids) if body.return_token_ids else None}
         extra["prompt_logprobs"] = self.prompt_logprobs_json(finals[0]) if body.prompt_logprobs is not None else None
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra}
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra,
+                **self.metrics_field(started, times, finals.values())}
 
     async def start_chat(self, body: ChatCompletionRequest):
         """Check a chat request, render it through the template (tools included) and enqueue

@@ -61,14 +61,16 @@ class CompletionRoutes:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         if body.stream:
             return StreamingResponse(self._stream_completion(body, started, head), media_type="text/event-stream")
-        finals = await self.collect(raw, started, body.n)
+        times = self.token_times()
+        finals = await self.collect(raw, started, body.n, times)
         echo = self._echo(body, started)
         choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
                     "logprobs": self.completion_logprobs(out, body),
                     "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out),
                     "prompt_logprobs": self.prompt_logprobs_json(out) if body.prompt_logprobs is not None else None}
                    for i, out in sorted(finals.items())]
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values())}
+        return {**head, "choices": choices, "usage": self.usage(started, finals.values()),
+                **self.metrics_field(started, times, finals.values())}
 
     def _echo(self, body, started) -> dict[int, str]:
         """Prompt index -> its text, when the client asked for `echo`."""

@@ -26,6 +26,7 @@ from runtime.openai_logprobs import LogprobsFormat
 from runtime.openai_protocol import APIError, StreamOptions, bad_param
 from runtime.openai_streaming import StreamingMixin
 from runtime.outputs import RequestOutput
+from runtime.request_metrics import TokenTimes, timing_metrics
 from runtime.structured_outputs import StructuredOutputsParams
 from runtime.token_bytes import TokenBytes
 
@@ -37,8 +38,9 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
 
     def __init__(self, engine: AsyncEngine, model_name: str, api_key: str | None = None,
                  tool_parser: str | None = None, force_include_usage: bool = False,
-                 return_tokens_as_token_ids: bool = False):
+                 return_tokens_as_token_ids: bool = False, per_request_metrics: bool = False):
         self.engine = engine
+        self.per_request_metrics = per_request_metrics      # runtime/request_metrics.py
         self.force_include_usage, self.tokens_as_ids = force_include_usage, return_tokens_as_token_ids
         self.tool_parser = tool_calls.get_parser(tool_parser or engine.engine.spec.tool_parser)
         self.model_name = model_name
@@ -126,12 +128,15 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def collect(self, raw: Request, started, n: int) -> dict[int, RequestOutput]:
-        """Run to completion for a non-streaming call; a client that disconnects aborts."""
+    async def collect(self, raw: Request, started, n: int, times: TokenTimes | None = None) -> dict[int, RequestOutput]:
+        """Run to completion for a non-streaming call; a client that disconnects aborts.
+        `times` (per-request metrics) records when each choice's tokens arrive."""
         final: dict[int, RequestOutput] = {}
 
         async def run():
             async for index, out in self.merged(started, n):
+                if times is not None:
+                    times.saw(index, len(out.outputs[0].token_ids))
                 if out.finished:
                     final[index] = out
 
@@ -171,6 +176,18 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
         cached = sum(out.num_cached_tokens for out in finals if out.outputs[0].index == 0)
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def token_times(self) -> TokenTimes | None:
+        """A recorder of token arrival times when the server reports per-request metrics."""
+        return TokenTimes() if self.per_request_metrics else None
+
+    @staticmethod
+    def metrics_field(started, times: TokenTimes | None, finals) -> dict:
+        """vLLM's `metrics` object (choice 0's timings), or nothing when not enabled."""
+        if times is None:
+            return {}
+        first = next((out for out in finals if out.outputs[0].index == 0), None)
+        return {"metrics": timing_metrics(started[0][1], times, 0, len(first.outputs[0].token_ids) if first else 0)}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,

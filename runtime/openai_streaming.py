@@ -33,10 +33,13 @@ class StreamingMixin:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finals = []
+        times = self.token_times()
         continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
         try:
             async for i, out in self.merged(started, body.n):
                 c = out.outputs[0]
+                if times is not None:
+                    times.saw(i, len(c.token_ids))
                 upto = self._held_back(body, c.text, out.finished)
                 delta = c.text[sent_text.get(i, 0): upto]
                 lp = logprobs(out, sent_tokens.get(i, 0))
@@ -58,7 +61,8 @@ class StreamingMixin:
                 if out.finished:
                     finals.append(out)
             if body.stream_options and body.stream_options.include_usage:
-                yield sse({**head, "choices": [], "usage": self.usage(started, finals)})
+                yield sse({**head, "choices": [], "usage": self.usage(started, finals),
+                           **self.metrics_field(started, times, finals)})
         except EngineDeadError as e:
             yield sse(error_body(str(e), "server_error", code="engine_dead"))
         except RequestFailedError as e:

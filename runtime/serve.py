@@ -36,8 +36,10 @@ log = logging.getLogger("zooinfer")
 def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
               api_key: str | None = None, max_body_bytes: int = 4 << 20, body_timeout: float = 30.0,
               tool_parser: str | None = None, root_path: str | None = None,
-              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
-    server = OpenAIServer(engine, model_name, api_key, tool_parser, force_include_usage, return_tokens_as_token_ids)
+              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
+              per_request_metrics: bool = False) -> FastAPI:
+    server = OpenAIServer(engine, model_name, api_key, tool_parser, force_include_usage, return_tokens_as_token_ids,
+                          per_request_metrics)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -149,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root-path", default=None, help="also serve every route under this prefix (behind a proxy)")
     ap.add_argument("--enable-force-include-usage", action="store_true",
                     help="streams carry usage on every chunk and at the end, asked for or not (vLLM's flag)")
+    ap.add_argument("--enable-per-request-metrics", action="store_true",
+                    help="timings (queue, TTFT, ITL, tokens/s) in each response's `metrics` (vLLM's flag)")
     ap.add_argument("--return-tokens-as-token-ids", action="store_true",
                     help="logprob tokens spelled token_id:<id> for every request (vLLM's flag)")
     ap.add_argument("--swap-min-tokens", type=int, default=256, help="auto: swap requests with this many computed tokens")
@@ -205,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes, args.body_timeout,
                         args.tool_call_parser, args.root_path, args.enable_force_include_usage,
-                        args.return_tokens_as_token_ids)
+                        args.return_tokens_as_token_ids, args.enable_per_request_metrics)
     except ValueError as e:          # an unknown tool parser (flag or spec)
         print(f"error: {e}", file=sys.stderr)
         async_engine.shutdown()

@@ -2,17 +2,19 @@
 server: /invocations routes a body to chat or completions with their exact answers;
 /v1/chat/completions/batch answers each conversation exactly as /v1/chat/completions does
 alone and refuses what vLLM refuses there with a 400 naming the field; --root-path serves
-the routes under a prefix as well."""
+the routes under a prefix as well; --enable-per-request-metrics adds vLLM's timing object."""
 from __future__ import annotations
 
 import pytest
+
+import json
 
 from tests.serving import error_of, tiny_chat_client
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    with tiny_chat_client(tmp_path_factory.mktemp("vllm-compat")) as served:
+    with tiny_chat_client(tmp_path_factory.mktemp("vllm-compat"), "--enable-per-request-metrics") as served:
         yield served
 
 
@@ -106,3 +108,24 @@ def test_server_wide_flags_set_the_request_fields():
     off = CompletionRequest(prompt="x", stream=True)
     OpenAIServer.apply_server_flags(SimpleNamespace(force_include_usage=False, tokens_as_ids=False), off)
     assert off.stream_options is None and off.return_tokens_as_token_ids is False
+
+
+def test_per_request_metrics(served):
+    """vLLM's `metrics`: on a non-streaming answer (mean_itl_ms only past one token) and on a
+    stream's usage chunk alone; the timings are consistent with each other."""
+    http, _ = served
+    timed = {"queue_time_ms", "time_to_first_token_ms", "generation_time_ms", "tokens_per_second"}
+    for route, body in (("/v1/chat/completions", {"messages": CONVS[0]}), ("/v1/completions", {"prompt": "Hi"})):
+        r = http.post(route, json={**body, "max_tokens": 4, "min_tokens": 4, "temperature": 0}).json()
+        m = r["metrics"]
+        assert set(m) == timed | {"mean_itl_ms"} and all(v >= 0 for v in m.values()), m
+        assert m["mean_itl_ms"] * 3 == pytest.approx(m["generation_time_ms"])
+        total_s = (m["time_to_first_token_ms"] + m["generation_time_ms"]) / 1000
+        assert m["tokens_per_second"] == pytest.approx(4 / total_s, rel=1e-6)
+        one = http.post(route, json={**body, "max_tokens": 1, "temperature": 0}).json()["metrics"]
+        assert set(one) == timed
+    r = http.post("/v1/chat/completions", json={"messages": CONVS[0], "max_tokens": 3, "temperature": 0, "stream": True,
+                                                 "stream_options": {"include_usage": True}})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert [("metrics" in e) for e in events] == [False] * (len(events) - 1) + [True]
+    assert events[-1]["choices"] == [] and set(events[-1]["metrics"]) >= timed
