@@ -14,7 +14,7 @@ from fastapi.responses import StreamingResponse
 from runtime import tool_calls
 from runtime.limits import ParamError, short_repr
 from runtime.openai_protocol import APIError, ChatCompletionRequest, bad_param
-from runtime.openai_streaming import sse
+from runtime.openai_streaming import continuous_usage, sse
 from runtime.outputs import RequestOutput
 from runtime.tool_stream import ToolCallStream
 
@@ -102,7 +102,7 @@ class ChatRoutes:
         return "tool_calls" if calls and reason == "stop" and not mode.startswith("named:") else reason
 
     async def _stream_chat(self, body, started, head, mode: str | None = None) -> AsyncIterator[str]:
-        continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+        continuous = continuous_usage(body)
         for i in range(len(started) * body.n):
             chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]}

@@ -26,6 +26,11 @@ class LogprobsFormat:
         """A logprob entry's token: its text, or `token_id:<id>` (vLLM's return_tokens_as_token_ids)."""
         return f"token_id:{token_id}" if body.return_tokens_as_token_ids else (lp.decoded_token or "")
 
+    def _with_sampled(self, d: dict, token_id: int, k: int | None) -> list:
+        """Completions' top_logprobs entry, as vLLM's: the sampled token first, then the k
+        best (k or k + 1 entries: the sampled token may be among them)."""
+        return [(token_id, d[token_id]), *((t, lp) for t, lp in self._top(d, k or 0) if t != token_id)]
+
     def completion_logprobs(self, out: RequestOutput, body, start: int = 0) -> dict | None:
         """OpenAI's completions logprobs from output token `start` on; `text_offset` is each
         token's character offset in the choice's text (its tokens' texts laid end to end).
@@ -45,8 +50,8 @@ class LogprobsFormat:
         return {"tokens": words[start:],
                 "token_logprobs": [None if d is None else finite(d[t].logprob) for t, d in zip(ids[start:], lps[start:])],
                 "top_logprobs": [None if d is None else
-                                 {self._spell(body, tid, lp): finite(lp.logprob) for tid, lp in self._top(d, k or 0)}
-                                 for d in lps[start:]],
+                                 {self._spell(body, tid, lp): finite(lp.logprob) for tid, lp in self._with_sampled(d, t, k)}
+                                 for t, d in zip(ids[start:], lps[start:])],
                 "text_offset": offsets[start:]}
 
     def _word(self, body, token_id: int, d: dict | None) -> str:

@@ -34,7 +34,6 @@ def _text_format(v) -> bool:
 # Parameters of OpenAI's and vLLM's APIs that this engine does not honour yet, each with the
 # test for its no-op value. Set to anything else they are refused, never ignored.
 _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
-    "truncate_prompt_tokens": _unset,
     "guided_decoding_backend": _unset, "logits_processors": _unset,
     "spaces_between_special_tokens": _is(True),
 }
@@ -90,6 +89,10 @@ class _Common(_Strict):
     prompt_logprobs: int | None = None  # extension (vLLM): top-k logprobs of every prompt token
     use_beam_search: bool = False       # extension: n beams (runtime/beam_search.py), best first
     length_penalty: float = 1.0         # extension: beam score = cum logprob / len ** length_penalty
+    # vLLM: keep only this many prompt tokens (-1: max_model_len), the last ones by default
+    # ("left" truncation) or the first ones ("right"); OpenAIServer.truncate.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* spellings; at most one of them (runtime/structured_outputs.py).
     response_format: dict[str, Any] | None = None
@@ -113,6 +116,9 @@ class _Common(_Strict):
             self.stream_options.check_extras()
             if not self.stream:
                 raise ParamError("stream_options: only allowed when stream is true", "stream_options")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
+            raise ParamError("truncate_prompt_tokens: must be -1 (max_model_len) or a count >= 0",
+                             "truncate_prompt_tokens")
         if self.prompt_logprobs is not None and self.stream:   # vLLM refuses it too
             raise ParamError("prompt_logprobs: not available when stream is true", "prompt_logprobs")
 

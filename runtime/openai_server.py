@@ -82,6 +82,8 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
                                         body.structured_field)
         except ParamError as e:
             raise bad_param(e) from None
+        if body.truncate_prompt_tokens is not None:
+            prompts = [self.truncate(p, body) for p in prompts]
         base = uuid.uuid4().hex
         started = []
         try:
@@ -96,6 +98,17 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
                 raise
             raise bad_param(e) from None
         return base, started
+
+    def truncate(self, prompt: dict, body) -> dict:
+        """vLLM's truncate_prompt_tokens: the prompt's token ids cut to that many (-1: the
+        model's length), from the left (keep the last; vLLM's default) or the right."""
+        ids = prompt.get("prompt_token_ids")
+        if ids is None:
+            ids = self.tokenizer.encode(prompt["prompt"], add_special_tokens=prompt.get("add_special_tokens", True))
+        k = self.max_model_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+        if len(ids) > k:
+            ids = ids[:k] if body.truncation_side == "right" else ids[len(ids) - k:]
+        return {"prompt_token_ids": list(ids)}
 
     @staticmethod
     async def merged(started, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -15,6 +15,12 @@ def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
+def continuous_usage(body) -> bool:
+    """Usage on every chunk: vLLM's continuous_usage_stats, which needs include_usage too."""
+    opts = body.stream_options
+    return opts is not None and opts.include_usage and opts.continuous_usage_stats
+
+
 class StreamingMixin:
     """The SSE loop shared by the completions and chat routes; mixed into OpenAIServer."""
 
@@ -34,7 +40,7 @@ class StreamingMixin:
         sent_tokens: dict[int, int] = {}
         finals = []
         times = self.token_times()
-        continuous = body.stream_options is not None and body.stream_options.continuous_usage_stats
+        continuous = continuous_usage(body)
         try:
             async for i, out in self.merged(started, body.n):
                 c = out.outputs[0]

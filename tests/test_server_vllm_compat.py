@@ -129,3 +129,38 @@ def test_per_request_metrics(served):
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
     assert [("metrics" in e) for e in events] == [False] * (len(events) - 1) + [True]
     assert events[-1]["choices"] == [] and set(events[-1]["metrics"]) >= timed
+
+
+def test_truncate_prompt_tokens(served):
+    """vLLM's truncate_prompt_tokens keeps the last k prompt tokens (or the first, with
+    truncation_side "right"), of token and text prompts alike; -1 is max_model_len; < -1 a 400."""
+    http, tok = served
+    ids = list(range(100, 108))
+    body = {"max_tokens": 1, "temperature": 0, "return_token_ids": True, "truncate_prompt_tokens": 4}
+
+    def prompt_ids(**extra):
+        r = http.post("/v1/completions", json={**body, **extra})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["prompt_token_ids"]
+    assert prompt_ids(prompt=ids) == ids[-4:]
+    assert prompt_ids(prompt=ids, truncation_side="right") == ids[:4]
+    assert prompt_ids(prompt=ids, truncation_side="left") == ids[-4:]
+    assert prompt_ids(prompt=ids, truncate_prompt_tokens=-1) == ids
+    text = "one two three four five six seven"
+    assert prompt_ids(prompt=text) == tok.encode(text)[-4:]
+    r = http.post("/v1/completions", json={**body, "prompt": ids, "truncate_prompt_tokens": -2})
+    assert r.status_code == 400 and error_of(r)["param"] == "truncate_prompt_tokens", r.text
+
+
+def test_completion_top_logprobs_lead_with_the_sampled_token(served):
+    """Completions' top_logprobs as vLLM's: the sampled token first, then the k best, so
+    logprobs=0 still names the sampled token; continuous usage needs include_usage."""
+    http, _ = served
+    for k in (0, 3):
+        r = http.post("/v1/completions", json={"prompt": "Hi there", "max_tokens": 4, "temperature": 0.9, "seed": 3,
+                                               "logprobs": k}).json()["choices"][0]["logprobs"]
+        for token, top, lp in zip(r["tokens"], r["top_logprobs"], r["token_logprobs"]):
+            assert next(iter(top)) == token and top[token] == lp and len(top) in (max(k, 1), k + 1)
+    r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True, "stream_options": {
+        "include_usage": False, "continuous_usage_stats": True}})
+    assert all("usage" not in json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {"))
