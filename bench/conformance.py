@@ -105,7 +105,10 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
             missing = _IMPORT.search(problem.get("message", "") + (problem.text or ""))
             if not case.get("classname") or problem.get("message") == "collection failure":
                 top = missing.group(1).split(".")[0] if missing else None
-                res.not_applicable = (f"imports {internal.group(1)} (vLLM internals)" if internal else
+                offline = "LocalEntryNotFoundError" in (problem.text or "")
+                res.not_applicable = ("downloads the test model's files from the HF hub at import (no hub here)"
+                                      if offline else
+                                      f"imports {internal.group(1)} (vLLM internals)" if internal else
                                       f"imports {missing.group(1)} (vLLM internals)" if top == "vllm" and not real else
                                       f"needs {missing.group(1)}" if missing else f"collection error: {reason}")
             elif _FIXTURE.search(problem.text or ""):

@@ -267,7 +267,8 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # OpenAI's roles, or any other the chat template renders (vLLM passes custom roles on).
+    role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None
@@ -294,6 +295,9 @@ class ChatMessage(_Strict):
         else:
             content = self.content or ""
         check_text(content, f"{where}.content")
+        if not self.role.strip():
+            raise ParamError(f"{where}.role: must not be empty", f"{where}.role")
+        check_text(self.role, f"{where}.role")
         # OpenAI's `developer` role is the system prompt of newer models.
         msg: dict = {"role": "system" if self.role == "developer" else self.role, "content": content}
         for key in ("name", "tool_calls", "tool_call_id"):

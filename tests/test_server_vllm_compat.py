@@ -164,3 +164,21 @@ def test_completion_top_logprobs_lead_with_the_sampled_token(served):
     r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "stream": True, "stream_options": {
         "include_usage": False, "continuous_usage_stats": True}})
     assert all("usage" not in json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {"))
+
+
+def test_custom_role_reaches_the_template(served):
+    """A role outside OpenAI's goes to the chat template as written (vLLM's behaviour): the
+    prompt is the template's rendering of it, string and text-part content alike."""
+    http, tok = served
+    outs = []
+    for content in ("what is 1+1?", [{"type": "text", "text": "what is 1+1?"}]):
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "my-custom-role", "content": content}],
+                                                     "max_tokens": 4, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        outs.append(r.json())
+    want = tok.apply_chat_template([{"role": "my-custom-role", "content": "what is 1+1?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    assert outs[0]["prompt_token_ids"] == tok.encode(want, add_special_tokens=False) == outs[1]["prompt_token_ids"]
+    assert outs[0]["choices"][0]["message"] == outs[1]["choices"][0]["message"]
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": " ", "content": "x"}], "max_tokens": 1})
+    assert r.status_code == 400 and error_of(r)["param"] == "messages[0].role", r.text
