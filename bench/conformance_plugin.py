@@ -45,6 +45,9 @@ IGNORED = {"--enforce-eager", "--enable-auto-tool-choice", "--trust-remote-code"
            "--disable-log-requests", "--disable-uvicorn-access-log", "--enable-prompt-tokens-details",
            "--disable-log-stats", "--no-async-scheduling", "--enable-chunked-prefill",
            "--trust-request-chat-template"}
+# Request fields of vLLM's own machinery, not the API: a test sending one is not applicable.
+SENDS_NOT_APPLICABLE = {"prompt_embeds": "prompt embeddings (vLLM's --enable-prompt-embeds)",
+                        "kv_transfer_params": "disaggregated prefill (vLLM's KV transfer)"}
 # LoRA: the server runs without the adapters; the tests that name one are skipped (LORA_NAMES).
 LORA_FLAGS = {"--enable-lora", "--lora-modules", "--max-lora-rank", "--max-loras", "--max-cpu-loras", "--lora-module"}
 LORA_NAMES: set[str] = set()
@@ -264,7 +267,7 @@ def pytest_configure(config):
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_call(item):
     """A test that asks for a LoRA adapter (a parameter or a literal naming one) is skipped:
-    its server runs without adapters."""
+    its server runs without adapters; so is one that sends a field of vLLM's own machinery."""
     import inspect
     params = getattr(getattr(item, "callspec", None), "params", {})
     try:
@@ -274,6 +277,9 @@ def pytest_runtest_call(item):
     used = [n for n in LORA_NAMES if n in params.values() or f'"{n}"' in source or f"'{n}'" in source]
     if used:
         pytest.skip(f"not applicable: LoRA adapter {used[0]!r}")
+    for name, why in SENDS_NOT_APPLICABLE.items():
+        if f'"{name}"' in source:
+            pytest.skip(f"not applicable: {why} ({name})")
 
 
 def pytest_collection_modifyitems(config, items):
