@@ -76,7 +76,9 @@ def _reason(node) -> str:
 # Request fields that only mean something inside vLLM's own deployment machinery: a test that
 # sends one (and gets our 400 for an unknown field) is not applicable, said so in the report.
 # Files that test an endpoint of vLLM's own, not OpenAI's API: reported, not run.
-VLLM_ONLY_FILES = {"decisions/test_decisions_e2e.py": "vLLM's own /v1/decisions endpoint"}
+VLLM_ONLY_FILES = {"decisions/test_decisions_e2e.py": "vLLM's own /v1/decisions endpoint",
+                   "completion/test_tensorizer_entrypoint.py": "vLLM's tensorizer weight format (serialized "
+                                                                "in-process by vLLM's model loader)"}
 INTERNAL_FIELDS = {"kv_transfer_params": "disaggregated prefill (vLLM's KV transfer)"}
 _UNKNOWN_FIELD = re.compile(r"unrecognized request argument supplied: (\w+)")
 _IMPORT = re.compile(r"No module named '([^']+)'")

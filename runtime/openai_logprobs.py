@@ -37,6 +37,8 @@ class LogprobsFormat:
         With `echo` the prompt's tokens come first, with their prompt logprobs (vLLM's shape:
         the first prompt token has none, so its logprob and top_logprobs are null)."""
         lps, k = out.outputs[0].logprobs, body.logprobs
+        if body.logprob_token_ids:          # the asked ids (after the sampled token), all of them
+            k = len(body.logprob_token_ids) + 1
         if lps is None:
             return None
         ids = out.outputs[0].token_ids
@@ -75,6 +77,8 @@ class LogprobsFormat:
 
     def chat_logprobs(self, out: RequestOutput, body, start: int = 0) -> dict | None:
         lps, k = out.outputs[0].logprobs, body.top_logprobs
+        if body.logprob_token_ids:          # the asked ids and the sampled token, all of them
+            k = len(body.logprob_token_ids) + 1
         if lps is None:
             return None
 

@@ -87,6 +87,7 @@ class _Common(_Strict):
     priority: int = 0                   # extension: lower first, with --scheduling-policy priority
     return_tokens_as_token_ids: bool = False   # extension: logprob tokens spelled "token_id:<id>"
     prompt_logprobs: int | None = None  # extension (vLLM): top-k logprobs of every prompt token
+    logprob_token_ids: list[int] | None = None   # extension (vLLM): these ids' logprobs in place of the top-k
     use_beam_search: bool = False       # extension: n beams (runtime/beam_search.py), best first
     length_penalty: float = 1.0         # extension: beam score = cum logprob / len ** length_penalty
     # vLLM: keep only this many prompt tokens (-1: max_model_len), the last ones by default
@@ -128,7 +129,7 @@ class _Common(_Strict):
         for name in ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
                      "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "prompt_logprobs"):
+                     "guided_grammar", "prompt_logprobs", "logprob_token_ids"):
             if getattr(self, name) not in (None, [], {}, {"type": "text"}):
                 raise ParamError(f"{name}: not supported with use_beam_search", name)
         if self.temperature not in (None, 0):
@@ -152,13 +153,23 @@ class _Common(_Strict):
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_k,
+            ignore_eos=self.ignore_eos, prompt_logprobs=self.prompt_logprobs_k,
+            logprobs=self._explicit_k(logprobs), logprob_token_ids=self.logprob_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or [],
             structured_outputs=self._structured())
+
+    def _explicit_k(self, logprobs: int | None) -> int | None:
+        """With logprob_token_ids the returned logprobs are those ids' (and the sampled
+        token's), whatever top-k was asked; logprobs must be on."""
+        if self.logprob_token_ids is None:
+            return logprobs
+        if logprobs is None:
+            raise ParamError("logprob_token_ids: needs logprobs", "logprob_token_ids")
+        return len(self.logprob_token_ids) if isinstance(self.logprob_token_ids, list) else logprobs
 
     @property
     def prompt_logprobs_k(self) -> int | None:

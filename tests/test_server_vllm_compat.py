@@ -182,3 +182,44 @@ def test_custom_role_reaches_the_template(served):
     assert outs[0]["choices"][0]["message"] == outs[1]["choices"][0]["message"]
     r = http.post("/v1/chat/completions", json={"messages": [{"role": " ", "content": "x"}], "max_tokens": 1})
     assert r.status_code == 400 and error_of(r)["param"] == "messages[0].role", r.text
+
+
+def test_logprob_token_ids(served):
+    """vLLM's logprob_token_ids: each position reports the sampled token and exactly those
+    ids, with the logprobs the model gives them (the same values a full top-k reports), in
+    completions (streaming too) and chat; a batch mixing rows with and without it keeps
+    each row's own; an id outside the vocabulary or without logprobs is a 400."""
+    http, _ = served
+    common = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+              "return_tokens_as_token_ids": True}
+    full = http.post("/v1/completions", json={**common, "logprobs": 20}).json()["choices"][0]["logprobs"]
+    pick = [int(t.removeprefix("token_id:")) for t in list(full["top_logprobs"][0])[5:8]]
+    r = http.post("/v1/completions", json={**common, "logprobs": 5, "logprob_token_ids": pick}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["tokens"] == full["tokens"]
+    first = lp["top_logprobs"][0]
+    assert set(first) == {lp["tokens"][0], *(f"token_id:{t}" for t in pick)}
+    for key, value in first.items():
+        assert value == pytest.approx(full["top_logprobs"][0][key], abs=1e-5)
+    streamed = http.post("/v1/completions", json={**common, "logprobs": 1, "logprob_token_ids": pick, "stream": True})
+    tops = [t for line in streamed.text.splitlines() if line.startswith("data: {")
+            for t in (json.loads(line[6:])["choices"][0]["logprobs"] or {}).get("top_logprobs") or []]
+    assert len(tops) == 3 and all(set(t) == {tok, *(f"token_id:{i}" for i in pick)} for t, tok in zip(tops, lp["tokens"]))
+    chat = http.post("/v1/chat/completions", json={"messages": CONVS[0], "max_tokens": 2, "temperature": 0,
+                                                   "logprobs": True, "logprob_token_ids": [100, 1000],
+                                                   "return_tokens_as_token_ids": True}).json()
+    for e in chat["choices"][0]["logprobs"]["content"]:
+        assert {t["token"] for t in e["top_logprobs"]} == {e["token"], "token_id:100", "token_id:1000"}
+    mixed = http.post("/v1/completions", json={**common, "prompt": ["A", "B"], "logprobs": 2}).json()
+    assert all(len(c["logprobs"]["top_logprobs"][0]) in (2, 3) for c in mixed["choices"])
+    for extra, param in (({"logprobs": 1, "logprob_token_ids": [10 ** 9]}, "logprob_token_ids"),
+                         ({"logprob_token_ids": [5]}, "logprob_token_ids")):
+        r = http.post("/v1/completions", json={**common, **extra})
+        assert r.status_code == 400 and error_of(r)["param"] == param, r.text
+
+
+@pytest.mark.parametrize("so", [{"regex": {"1": "Python", "2": "C++"}}, {"grammar": ["a"]}, {"json": 5}])
+def test_structured_outputs_of_the_wrong_type_are_400(served, so):
+    http, _ = served
+    r = http.post("/v1/chat/completions", json={"messages": CONVS[0], "max_tokens": 2, "structured_outputs": so})
+    assert r.status_code == 400 and error_of(r)["param"] == "structured_outputs", r.text
