@@ -1,7 +1,10 @@
 """Speculative decoding on the real SmolLM2-135M: speculation off vs ngram, same invocation.
 
     python -m bench.spec_decode [--rounds 2] [--new-tokens 96] [--batches 1,32] [--k 4]
-        [--workloads copy,free] [--threads 1] [--disable-by-batch-size N]
+        [--workloads copy,free] [--threads 1] [--disable-by-batch-size N] [--draft-model SPEC]
+
+With --draft-model the speculating engine drafts with that model (method 'draft'; both
+engines then run with max_model_len 512); the columns still say "ngram".
 
 Workloads (chat-templated text prompts, greedy, EOS ignored so every request makes exactly
 `--new-tokens` tokens):
@@ -99,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
+    ap.add_argument("--draft-model", default=None,
+                    help="speculate with this draft model (method 'draft') instead of ngram, e.g. "
+                         "zoo/smollm2-135m.yaml (the target itself) or zoo/smollm2-tiny.yaml")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from models.embedded import ensure_embedded
@@ -107,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 4,
             "disable_by_batch_size": args.disable_by_batch_size}
     common = dict(max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    if args.draft_model:     # a draft's context must cover the target's: 512 fits these workloads
+        spec = {"method": "draft", "model": args.draft_model, "num_speculative_tokens": args.k,
+                "disable_by_batch_size": args.disable_by_batch_size}
+        common["max_model_len"] = 512
     engines = {"off": LLM("zoo/smollm2-135m.yaml", **common),
                "ngram": LLM("zoo/smollm2-135m.yaml", speculative=spec, **common)}
     tok = engines["off"].get_tokenizer()
@@ -115,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, llm in engines.items():      # untimed warm-up of every case
         for w, b in cases:
             run(llm, prompts(tok, w)[:1], 1, 8)
-    print(f"SmolLM2-135M fp32, {args.threads} thread(s), {args.new_tokens} new tokens, ngram k={args.k}, "
+    what = f"draft {args.draft_model}" if args.draft_model else "ngram"
+    print(f"SmolLM2-135M fp32, {args.threads} thread(s), {args.new_tokens} new tokens, {what} k={args.k}, "
           f"{args.rounds} rounds (medians)")
     print(f"{'workload':8} {'batch':>5} | {'off tok/s':>9} {'ngram tok/s':>11} {'ratio':>6} | "
           f"{'off TPOT':>9} {'ngram TPOT':>10} {'ratio':>6} | {'accept':>6} {'len':>5} same")

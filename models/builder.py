@@ -102,40 +102,46 @@ class CausalLM(nn.Module):
         """
         s, m = self.spec, self.spec.mlp
         name = s.weight_name
-        src: dict[str, list[tuple[str, int, int]]] = {
+        src: dict[str, list[tuple]] = {
             "embed_tokens.weight": [(name("embed"), 0, s.vocab_size)],
             "norm.weight": [(name("final_norm"), 0, s.hidden_size)],
         }
         if not s.tie_word_embeddings:
             src["lm_head.weight"] = [(name("lm_head"), 0, s.vocab_size)]
-        I = m.intermediate_size
         for i in range(s.num_layers):
-            hf = name("layer").format(i=i)
-            ours = f"layers.{i}."
-            ffn = s.ffn_kind(i)
-            layer = self.layers[i]
-            if layer.cache_ids and not layer.post_norm:
-                src[ours + "input_layernorm.weight"] = [(hf + name("input_norm"), 0, s.hidden_size)]
-            if ffn != "none":
-                src[ours + "post_attention_layernorm.weight"] = [(hf + name("post_attn_norm"), 0, s.hidden_size)]
-            if s.norm.sandwich:
-                src[ours + "pre_feedforward_layernorm.weight"] = [(hf + name("pre_ffn_norm"), 0, s.hidden_size)]
-            if s.norm.sandwich or layer.post_norm:
-                src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
-            if ffn == "moe":
-                src.update(moe_sources(s, ours + "mlp.", hf + (name("moe") + "." if name("moe") else ""), i))
-            elif ffn == "mlp":
-                if m.gated:
-                    gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
-                    src.update(linear_sources(ours + "mlp.gate_up_proj", hf, gate_up, m.bias))
-                else:
-                    src.update(linear_sources(ours + "mlp.up_proj", hf, [(name("up"), 0, I)], m.bias))
-                src.update(linear_sources(ours + "mlp.down_proj", hf, [(name("down"), 0, s.hidden_size)], m.bias))
-            for kind_name in s.layer_mixers(i):
-                kind = KINDS[kind_name]
-                src.update(kind.weight_sources(s, getattr(layer, kind.attr), f"{ours}{kind.attr}.", hf))
+            src.update(self.layer_sources(i, self.layers[i], f"layers.{i}.", name("layer").format(i=i)))
         if s.hyper_connections is not None:
             src.update(hyper_sources(s, s.num_layers))
+        return src
+
+    def layer_sources(self, i: int, layer: nn.Module, ours: str, hf: str) -> dict[str, list[tuple]]:
+        """`weight_sources` of one decoder layer built as layer `i`: our names under `ours`,
+        the checkpoint's under `hf` (an MTP layer reuses it under its own prefix, models/mtp.py)."""
+        s, m = self.spec, self.spec.mlp
+        name = s.weight_name
+        src: dict[str, list[tuple]] = {}
+        I = m.intermediate_size
+        ffn = s.ffn_kind(i)
+        if layer.cache_ids and not layer.post_norm:
+            src[ours + "input_layernorm.weight"] = [(hf + name("input_norm"), 0, s.hidden_size)]
+        if ffn != "none":
+            src[ours + "post_attention_layernorm.weight"] = [(hf + name("post_attn_norm"), 0, s.hidden_size)]
+        if s.norm.sandwich:
+            src[ours + "pre_feedforward_layernorm.weight"] = [(hf + name("pre_ffn_norm"), 0, s.hidden_size)]
+        if s.norm.sandwich or layer.post_norm:
+            src[ours + "post_feedforward_layernorm.weight"] = [(hf + name("post_ffn_norm"), 0, s.hidden_size)]
+        if ffn == "moe":
+            src.update(moe_sources(s, ours + "mlp.", hf + (name("moe") + "." if name("moe") else ""), i))
+        elif ffn == "mlp":
+            if m.gated:
+                gate_up = [(name("gate"), 0, I), (name("up"), I, I)]
+                src.update(linear_sources(ours + "mlp.gate_up_proj", hf, gate_up, m.bias))
+            else:
+                src.update(linear_sources(ours + "mlp.up_proj", hf, [(name("up"), 0, I)], m.bias))
+            src.update(linear_sources(ours + "mlp.down_proj", hf, [(name("down"), 0, s.hidden_size)], m.bias))
+        for kind_name in s.layer_mixers(i):
+            kind = KINDS[kind_name]
+            src.update(kind.weight_sources(s, getattr(layer, kind.attr), f"{ours}{kind.attr}.", hf))
         return src
 
 

@@ -48,6 +48,8 @@ def _granite_hybrid(cfg: dict, spec: dict) -> None:
 def _qwen3_next(cfg: dict, spec: dict) -> None:
     """Qwen3-Next: gated attention output (its MoE, with a gated shared expert, is read generally)."""
     spec["attention"]["output_gate"] = True
+    if _checkpoint_has(spec, "mtp.fc.weight"):      # its multi-token-prediction layer (models/mtp.py)
+        spec["mtp"] = {"style": "qwen3_next", "num_layers": int(cfg.get("mtp_num_hidden_layers") or 1)}
 
 
 def _checkpoint_has(spec: dict, fragment: str) -> bool:
@@ -97,6 +99,7 @@ def _qwen3_5(cfg: dict, spec: dict) -> None:
     """Qwen3.5: Qwen3-Next's adjustments; its checkpoint splits in_proj_qkvz / in_proj_ba and
     carries multi-token-prediction layers (mtp.*), which we do not run."""
     _qwen3_next(cfg, spec)
+    spec.pop("mtp", None)                  # Qwen3.5's MTP layer is not run (yet): skipped below
     spec["checkpoint"]["ignore"] = ["mtp."]
     if "gated_deltanet" in spec:
         spec["gated_deltanet"]["layout"] = "qwen3_5"
@@ -169,6 +172,9 @@ def _deepseek_mla(cfg: dict, spec: dict) -> None:
     spec["layers"].pop("kinds", None)
     spec["layers"]["pattern"] = ["mla"]
     KINDS["mla"].import_hf(cfg, spec)
+    n = cfg.get("num_nextn_predict_layers") or 0
+    if n and _checkpoint_has(spec, f"model.layers.{cfg['num_hidden_layers']}.eh_proj.weight"):
+        spec["mtp"] = {"style": "deepseek_v3", "num_layers": int(n)}    # models/mtp.py
 
 
 family("llama")

@@ -191,6 +191,9 @@ def load_safetensors(model: CausalLM, path: Path) -> None:
     unused = fill_from_safetensors(dict(model.named_parameters()), model.weight_sources(), path)
     tied_head = model.spec.weight_name("lm_head") if model.spec.tie_word_embeddings else None
     skipped = tuple(model.spec.checkpoint.ignore)
+    if model.spec.mtp is not None:      # MTP layers load with their head (models/mtp.py), if at all
+        from models.mtp import skip_prefix
+        skipped += (skip_prefix(model.spec),)
     unexpected = [n for n in unused if n != tied_head and not n.endswith(_IGNORED_SUFFIXES) and not n.startswith(skipped)]
     if unexpected:
         raise WeightError(f"{path}: unexpected tensors (not in the spec): {_fmt(sorted(unexpected))}")

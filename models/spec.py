@@ -246,6 +246,7 @@ class ModelSpec:
     tokenizer: str | None = None   # directory; defaults to the checkpoint directory
     tool_parser: str | None = None  # how the server finds tool calls in this model's text (e.g. hermes)
     speculative: dict | None = None  # default speculative decoding (runtime/spec_decode/config.py)
+    mtp: dict | None = None          # multi-token-prediction layers in the checkpoint (models/mtp.py)
     source_file: str = ""          # set by the loader; never read from YAML
 
     @property

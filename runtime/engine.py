@@ -40,6 +40,8 @@ from runtime.sampling_params import RequestOutputKind, SamplingParams
 from runtime.scheduler import Scheduler
 from runtime.spec_decode.config import SpeculativeConfig
 from runtime.spec_decode.decoder import SpecDecoder
+from runtime.spec_decode.draft import DraftProposer
+from runtime.spec_decode.mtp_proposer import MTPProposer
 
 log = logging.getLogger("zooinfer")
 
@@ -98,9 +100,14 @@ class Engine:
         # past the logits (a small variant inheriting its full model's eos, e.g. bamba-small).
         self.eos_token_ids = tuple(t for t in eos if 0 <= t < spec.vocab_size)
         phase("tokenizer")
+        layer_specs = self.model.kv_cache_specs(config.block_size, dtype)
+        draft = getattr(self.spec_decoder, "proposer", None)
+        if isinstance(draft, DraftProposer):      # the draft's layers join the pool after the target's
+            draft.load(dtype, config, self.model)
+            layer_specs = draft.join_kv_specs(layer_specs, config.block_size, dtype)
         try:
             kv_config = make_kv_cache_config(
-                self.model.kv_cache_specs(config.block_size, dtype), config.block_size,
+                layer_specs, config.block_size,
                 num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
                 min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
                 chunk_tokens=config.max_num_batched_tokens)
@@ -118,6 +125,8 @@ class Engine:
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
         self.runner = self.executor.runner      # rank 0's runner
+        if isinstance(draft, DraftProposer):
+            draft.bind(self)
         self.tiers = attach_tiers(self, config, kv_config)    # None unless a KV tier is configured
         phase("KV cache")
         if config.compile:
@@ -141,7 +150,11 @@ class Engine:
         cfg = SpeculativeConfig.parse(value, where)
         if cfg is not None and (self.config.tensor_parallel_size > 1 or self.config.pipeline_parallel_size > 1):
             raise ValueError(f"{where}: not supported with tensor_parallel_size or pipeline_parallel_size > 1 yet")
-        return None if cfg is None else SpecDecoder(cfg, self.max_model_len)
+        if cfg is None:
+            return None
+        proposer = DraftProposer(cfg, spec, where) if cfg.method == "draft" else \
+            MTPProposer(cfg, spec, where) if cfg.method == "mtp" else None
+        return SpecDecoder(cfg, self.max_model_len, proposer)
 
     def warm_up(self, params: SamplingParams) -> None:
         """Run one short request end to end (compiles the forward when compile is on)."""

@@ -319,8 +319,9 @@ def test_ngram_proposer_batch():
     ({"prompt_lookup_min": 5, "prompt_lookup_max": 3}, "speculative.prompt_lookup_min: 5 exceeds"),
     ({"k": 3}, "speculative.k: unknown field"),
     ({"disable_by_batch_size": 0}, "speculative.disable_by_batch_size: must be a positive integer"),
-    ({"method": "mtp"}, "'mtp'"),
-    ({"method": "draft", "model": "zoo/smollm2-135m.yaml"}, "'draft'"),
+    ({"method": "mtp", "model": "zoo/smollm2-135m.yaml"}, "speculative.model: only the 'draft' method"),
+    ({"method": "draft"}, "speculative.model: the 'draft' method needs"),
+    ({"method": "ngram", "model": "zoo/smollm2-135m.yaml"}, "speculative.model: only the 'draft' method"),
     ("{not json", "speculative: not valid JSON"),
 ])
 def test_config_errors_name_the_field(value, message):

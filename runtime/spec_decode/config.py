@@ -65,10 +65,8 @@ class SpeculativeConfig:
                              f"got {self.disable_by_batch_size!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"{where}.adaptive: must be true or false, got {self.adaptive!r}")
-        if self.method == "draft":
-            raise ValueError(f"{where}.method: 'draft' (a draft model) is not implemented yet; use 'ngram'")
-        if self.method == "mtp":
-            raise ValueError(f"{where}.method: 'mtp' (the model's multi-token-prediction layers) is not "
-                             "implemented yet; use 'ngram'")
-        if self.model is not None:
+        if self.method == "draft" and (not isinstance(self.model, str) or not self.model):
+            raise ValueError(f"{where}.model: the 'draft' method needs the draft model's zoo spec or "
+                             f"checkpoint path, got {self.model!r}")
+        if self.model is not None and self.method != "draft":
             raise ValueError(f"{where}.model: only the 'draft' method takes a model")

@@ -129,7 +129,7 @@ class SpecDecoder:
                 reqs.append(req)
                 ks.append(k)
         if reqs:
-            drafts = self.proposer.propose([r.all_token_ids for r in reqs], np.asarray(ks, dtype=np.int64))
+            drafts = self.proposer.propose_requests(reqs, np.asarray(ks, dtype=np.int64))
             for req, d in zip(reqs, drafts):
                 req.spec_token_ids = d
 

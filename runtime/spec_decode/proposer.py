@@ -27,6 +27,10 @@ class Proposer:
     def propose(self, token_ids: list[list[int]], ks: np.ndarray) -> list[list[int]]:
         raise NotImplementedError
 
+    def propose_requests(self, reqs, ks: np.ndarray) -> list[list[int]]:
+        """The same from the requests themselves (a draft model needs their ids and slots)."""
+        return self.propose([r.all_token_ids for r in reqs], ks)
+
 
 class NgramProposer(Proposer):
     def __init__(self, k: int, n_min: int, n_max: int, search_window: int = 1024):

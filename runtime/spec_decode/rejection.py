@@ -34,12 +34,16 @@ def layout(nd: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def verify(target: torch.Tensor, probs: torch.Tensor | None, greedy: np.ndarray, drafts: np.ndarray,
-           nd: np.ndarray, generators: dict[int, torch.Generator]) -> tuple[np.ndarray, np.ndarray]:
+           nd: np.ndarray, generators: dict[int, torch.Generator],
+           proposal: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Returns (emitted [R, K+1] int64: accepted drafts then the next token, junk after;
     num_accepted [R]). `target`: [N] argmax per flat row; `probs`: [N, V] the target's
     sampling distribution per flat row (None when every request is greedy); `greedy`: [R]
     bool; `drafts`: [R, K] int64 (only the first nd[i] of row i are read); `generators`:
-    request index -> its generator."""
+    request index -> its generator; `proposal`: [N, V] the proposal distribution per flat row, for
+    drafts sampled from a draft model's distribution (None: every draft a point mass). A
+    draft is then accepted with probability min(1, p(d) / q(d)) and a rejection samples from
+    norm(max(0, p - q)); a point-mass row of q is one-hot at its draft, which is the rule above."""
     r = len(nd)
     kmax = drafts.shape[1]
     start, _ = layout(nd)
@@ -57,6 +61,8 @@ def verify(target: torch.Tensor, probs: torch.Tensor | None, greedy: np.ndarray,
                 u[i, :nd[i]] = torch.rand(int(nd[i]), generator=gen)
         d_t = torch.from_numpy(np.where(in_draft, drafts, 0))
         p_draft = probs[torch.from_numpy(flat), d_t].cpu()   # p_j(d_j)  [R, K]
+        if proposal is not None:                              # u < p / q, without dividing by 0
+            u = u * proposal[torch.from_numpy(flat), d_t].cpu()
         accept_s = in_draft & (u < p_draft).numpy()
         accept[sampled_rows] = accept_s[sampled_rows]
     num_acc = np.cumprod(accept, axis=1).sum(axis=1)
@@ -71,7 +77,12 @@ def verify(target: torch.Tensor, probs: torch.Tensor | None, greedy: np.ndarray,
         if rejected.any():   # residual: the rejected draft's mass removed (the race renormalises)
             rr = torch.from_numpy(np.flatnonzero(rejected))
             bad = torch.from_numpy(drafts[sampled_rows[rejected], num_acc[sampled_rows[rejected]]])
-            p[rr, bad.to(p.device)] = 0.0
+            if proposal is None:
+                p[rr, bad.to(p.device)] = 0.0
+            else:
+                res = (p[rr] - proposal[torch.from_numpy(at[sampled_rows[rejected]]).to(p.device)]).clamp_(min=0.0)
+                ok = res.sum(-1, keepdim=True) > 0     # all mass on q's side: only rounding rejects
+                p[rr] = torch.where(ok, res, p[rr])
         q = _exponential(p.shape, device=p.device)
         pos = {int(i): n for n, i in enumerate(sampled_rows.tolist())}
         for i, gen in generators.items():

@@ -49,12 +49,13 @@ class SpecVerifier:
             batch.token_ids[row, n: n + len(drafts)] = drafts
             self.nd[row] = len(drafts)
 
-    def snapshot(self, runner) -> dict | None:
-        """{group: (rows, pages [S, P], saved bytes per span)} for the state groups."""
-        rows = np.flatnonzero(self.nd[: runner.batch.num_reqs])
+    def snapshot(self, runner, rows: np.ndarray | None = None, groups=None) -> dict | None:
+        """{group: (rows, pages [S, P], saved bytes per span)} for the state groups (of
+        `groups`, default all) of `rows` (default: the rows verifying drafts this step)."""
+        rows = np.flatnonzero(self.nd[: runner.batch.num_reqs]) if rows is None else rows
         saved = {}
         for gid, group in enumerate(runner.kv_config.groups):
-            if isinstance(group.spec, StateSpec) and len(rows):
+            if isinstance(group.spec, StateSpec) and len(rows) and (groups is None or gid in groups):
                 pages = runner.batch.block_table[gid].np[rows, : group.spec.pages].astype(np.int64)
                 idx = torch.from_numpy(pages.reshape(-1)).to(runner.device)
                 saved[gid] = (rows, pages, [span.index_select(0, idx) for span in runner._copy_spans[gid]])
@@ -102,7 +103,9 @@ class SpecVerifier:
         drafts = b.token_ids[sample_rows[:, None], np.minimum(base[:, None] + np.arange(kmax)[None, :],
                                                               b.token_ids.shape[1] - 1)]
         greedy = b.temperature[sample_rows] == 0
-        emitted, acc = verify(target, probs, greedy, drafts, nd, b.row_generators(sample_rows))
+        q = runner.draft.proposal(sample_rows, nd, drafts, probs.shape[-1]) \
+            if probs is not None and runner.draft is not None else None      # a draft model's q
+        emitted, acc = verify(target, probs, greedy, drafts, nd, b.row_generators(sample_rows), q)
 
         # Commit: accepted drafts + the next token into the rows (external rows get theirs fed).
         own = ~b.external[sample_rows]

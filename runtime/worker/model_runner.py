@@ -54,6 +54,7 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches(kv_dtype)
         self.sampler = Sampler()
         self.spec_verifier = SpecVerifier(max_num_reqs)   # speculative decoding's drafts and rollback
+        self.draft = None      # a draft model's runner side (runtime/spec_decode/draft.py), when one is attached
         # State mixers by cache id: `zooinfer::state_update` finds its module here (see ForwardContext).
         self.state_layers = model.state_mixers()
         self.compiled = compile
@@ -182,11 +183,16 @@ class ModelRunner:
                 b.append_tokens(rid, tokens)
         if so.spec_token_ids:
             self.spec_verifier.write_drafts(b, so.spec_token_ids)
+        if self.draft is not None:
+            self.draft.update_batch(so)
         self._null_dead_slots()
 
     # ------------------------------------------------------------- one step
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        return self.finish_step(self.forward_step(so))
+        out = self.finish_step(self.forward_step(so))
+        if self.draft is not None:    # an MTP head reads the step's hidden states and sampled tokens
+            self.draft.after_step()
+        return out
 
     @torch.inference_mode()
     def forward_step(self, so: SchedulerOutput):
@@ -243,6 +249,8 @@ class ModelRunner:
         with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)):
             hidden = self.graphs.replay(graph_bs, input_ids, positions) if graph_bs else \
                 self.forward(ids_t, pos_t, self.kv_caches)
+        if self.draft is not None:    # the draft computes the step's committed tokens before the checkpoints
+            self.draft.shadow(rows, num_sched, seq_lens - num_sched, hidden)
         self._copy_pages(so.copies_after)          # new checkpoints: the state after this step
         b.num_computed_tokens[rows] = seq_lens
         prompt_lps = None
