@@ -85,6 +85,7 @@ _IMPORT = re.compile(r"No module named '([^']+)'")
 _FIXTURE = re.compile(r"fixture '(\w+)' not found")
 
 
+_NO_HUB = ("LocalEntryNotFoundError", "Invalid repository ID or local directory")
 _VLLM_IMPORT = re.compile(r"^\s*(?:from|import) (vllm\.(?!tokenizers\b)[\w.]+)", re.M)
 
 
@@ -118,6 +119,8 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
                 res.skipped.append((name, f"not applicable: vLLM's test fixture {fixture!r} (its conftest imports vLLM)"))
             elif missing and missing.group(1).startswith("vllm."):   # imported inside the test
                 res.skipped.append((name, f"not applicable: imports {missing.group(1)} (vLLM internals)"))
+            elif any(m in (problem.text or "") for m in _NO_HUB):    # loads the test's model files itself
+                res.skipped.append((name, "not applicable: loads the test model's files from the HF hub (no hub here)"))
             elif "gpt_oss" in reason:        # the suite's own guard: these need gpt-oss's harmony stack
                 res.skipped.append((name, "not applicable: gpt-oss harmony format (needs the gpt_oss package and model)"))
             elif (m := _UNKNOWN_FIELD.search(reason)) and m.group(1) in INTERNAL_FIELDS:
@@ -129,6 +132,14 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
         else:
             res.passed.append(name)
     return res
+
+
+@functools.lru_cache
+def length_cap(spec: str, cap: int = 2048) -> int:
+    """The servers' max_model_len: at most `cap` (a test without max_tokens generates up to
+    it, on a shared CPU) and never past the spec's own."""
+    from models import resolve_spec
+    return min(cap, resolve_spec(spec).max_model_len)
 
 
 @functools.lru_cache
@@ -153,7 +164,9 @@ def run_file(python: Path, checkout: Path, test: Path, spec: str, out_dir: Path,
     xml.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{ROOT / 'bench'}", "ZOOINFER_CONFORMANCE_REPO": str(ROOT),
            "ZOOINFER_CONFORMANCE_PYTHON": sys.executable, "ZOOINFER_CONFORMANCE_SPEC": spec,
-           "ZOOINFER_CONFORMANCE_TOKENIZER": tokenizer_dir(spec)}
+           "ZOOINFER_CONFORMANCE_TOKENIZER": tokenizer_dir(spec),
+           "ZOOINFER_CONFORMANCE_MAX_MODEL_LEN": str(length_cap(spec)),
+           "ZOOINFER_CONFORMANCE_SPEC_MAX_LEN": str(length_cap(spec, 1 << 30))}
     cmd = [str(python), "-m", "pytest", rel, "-p", "conformance_plugin", "--confcutdir", str(checkout / SUITE.parent),
            "-p", "no:cacheprovider", "-q", "-o", "asyncio_mode=auto", f"--junitxml={xml}"]
     try:     # pytest's and the server's output, beside the XML, for reading a failure

@@ -31,7 +31,10 @@ REPO = os.environ.get("ZOOINFER_CONFORMANCE_REPO", "")
 PYTHON = os.environ.get("ZOOINFER_CONFORMANCE_PYTHON", sys.executable)
 SPEC = os.environ.get("ZOOINFER_CONFORMANCE_SPEC", "zoo/smollm2-135m.yaml")
 TOKENIZER = os.environ.get("ZOOINFER_CONFORMANCE_TOKENIZER", "")
+# A server the test gives no --max-model-len gets MAX_MODEL_LEN (its tests without max_tokens
+# generate up to it, on a shared CPU); none gets more than the spec's own length.
 MAX_MODEL_LEN = int(os.environ.get("ZOOINFER_CONFORMANCE_MAX_MODEL_LEN", "2048"))
+SPEC_MAX_LEN = int(os.environ.get("ZOOINFER_CONFORMANCE_SPEC_MAX_LEN", "8192"))
 
 # vLLM server flags, by what we do with them. Flags with a value consume it.
 PASSED = {"--root-path", "--max-model-len", "--max-num-seqs", "--api-key", "--tool-call-parser", "--max-num-batched-tokens",
@@ -102,8 +105,8 @@ def translate(model: str, args: list[str]) -> list[str]:
                 out[1] = value
             elif a == "--port":
                 port = int(value)
-            elif a == "--max-model-len":    # a sizing knob: capped, since a test without max_tokens
-                out += [a, str(min(int(value), MAX_MODEL_LEN))]   # generates up to it (CPU, shared)
+            elif a == "--max-model-len":    # as asked (at most the spec's own: SPEC_MAX_LEN)
+                out += [a, str(min(int(value), SPEC_MAX_LEN))]
             else:
                 out += [a, value]
             continue
