@@ -27,6 +27,10 @@ A layer's cache may be a strided view (pages a pool page apart, cache/pool_layou
 kernels and the padded path read it in place; the sparse decode path, which sees the whole
 cache as one row matrix, needs a contiguous cache and otherwise hands over to the padded path.
 
+Pages may be float32, bf16 or int8 (cache/kv_dtype.py) under a float32 model: the C++ kernels
+read all three; without them the padded path converts (int8: times the per-token scales,
+attention/kv_quant.py) and the torch write rounds or quantizes on store.
+
 Attention sinks (a per-head logit in the softmax denominator, with no value) are honoured by
 every path: the C++ kernels start their online softmax from the sink, the sparse decode adds
 a sink column to its padded score grid, and the padded SDPA gets one extra key whose vector
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cpu_build, paged_attention
+from attention import kv_quant
 from attention.backend import AttentionBackend, BatchLayout
 
 # dtypes the CPU sampled_addmm kernel dispatches on
@@ -215,7 +220,9 @@ class TorchAttentionBackend(AttentionBackend):
         # apart: the C++ kernels step by that block stride, the torch paths below index it.
         contiguous = kv_cache.is_contiguous()
         if not paged_attention.write_kv(kv_cache, k, v, meta.slot_mapping):
-            if contiguous:
+            if kv_cache.dtype == torch.int8:   # quantized, with per-token scales next to the data
+                kv_quant.write(kv_cache, k, v, meta.slot_mapping)
+            elif contiguous:
                 if meta.kv_rows is None:   # block * 2B + offset: the K row of each token
                     s = meta.slot_mapping
                     meta.kv_rows = s + (s // block_size) * block_size
@@ -231,7 +238,7 @@ class TorchAttentionBackend(AttentionBackend):
         parts = meta.parts
         d = meta.decodes
         if d is not None:
-            if (d.kernel is not None and q.dtype == kv_cache.dtype == torch.float32
+            if (d.kernel is not None and q.dtype == torch.float32 and kv_cache.dtype in paged_attention.KV_DTYPES
                     and paged_attention.pages_contiguous(kv_cache)):
                 table, rows, seq_lens, window = d.kernel
                 paged_attention.paged_decode(q, kv_cache, table, rows, d.token_index, seq_lens, window, scale, out,
@@ -245,8 +252,8 @@ class TorchAttentionBackend(AttentionBackend):
                 parts = [d.fallback, *parts]
         p = meta.prefills
         if p is not None:
-            if (q.dtype == kv_cache.dtype == torch.float32 and paged_attention.pages_contiguous(kv_cache)
-                    and head_dim <= 256):
+            if (q.dtype == torch.float32 and kv_cache.dtype in paged_attention.KV_DTYPES
+                    and paged_attention.pages_contiguous(kv_cache) and head_dim <= 256):
                 paged_attention.paged_prefill(q, kv_cache, *p.kernel, scale, out, sinks)
             else:   # planned once per step, by the first layer that needs it
                 if p.fallback is None:
@@ -291,8 +298,11 @@ class TorchAttentionBackend(AttentionBackend):
         # several times faster on CPU than advanced indexing over the 5-D tensor (a view of
         # each page's K|V halves, so strided pages work too).
         pages = kv_cache.view(num_blocks, 2, -1)
-        keys = pages[:, 0].index_select(0, part.pages).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-        values = pages[:, 1].index_select(0, part.pages).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys, values = pages[:, 0].index_select(0, part.pages), pages[:, 1].index_select(0, part.pages)
+        if kv_cache.dtype == torch.int8:   # data times the per-token scales after it
+            keys, values = kv_quant.dequantize_pages(kv_cache, part.pages, keys, values, q.dtype)
+        keys = keys.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+        values = values.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
         queries = q[part.token_index].transpose(1, 2)          # [n, heads, max_q, dim]
         keys, values, mask = keys.to(q.dtype), values.to(q.dtype), part.mask
         if sinks is not None:   # one more key: zero vector and value, score = the head's sink via the mask

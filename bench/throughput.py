@@ -3,7 +3,8 @@
     python -m bench.throughput [--model tiny-llama|smollm2|gemma3|<spec yaml or hf dir>]
         [--requests 64] [--min-prompt 64] [--max-prompt 256] [--new-tokens 64]
         [--threads 1] [--rounds 2] [--hf-batch 16] [--peers hf,hf-cb,vllm,openvino,llamacpp,ct2]
-        [--engines ours,hf,...] [--prefix-caching] [--compile] [--json out.json] [--profile [N]]
+        [--engines ours,hf,...] [--prefix-caching] [--compile] [--quantization none|gguf|...]
+        [--json out.json] [--profile [N]]
 
 Workload: `--requests` prompts of random token ids (fixed seed), lengths uniform in
 [min-prompt, max-prompt]; every request generates exactly `--new-tokens` tokens greedily with
@@ -12,7 +13,10 @@ EOS ignored. Every engine is fed token ids, never text.
 - ours:  `runtime.LLM(model, max_num_seqs=64, max_num_batched_tokens=2048)`, all prompts in
   one `generate` call (continuous batching, chunked prefill, paged KV), in this process.
   Prefix caching is off unless `--prefix-caching`: rounds repeat the same prompts, and a cache
-  kept from the previous round would time cache hits, not generation.
+  kept from the previous round would time cache hits, not generation. `--quantization`
+  overrides the quantization method for ours only (e.g. int8; the peers always run fp32). The
+  `smollm2` checkpoint directory loads as fp32 (no GGUF next to it, so `gguf` is refused
+  there); the zoo spec zoo/smollm2-135m.yaml is the one that defaults to its GGUF blocks.
 - hf:    `AutoModelForCausalLM.generate`, static batches of `--hf-batch` in input order, left
   padding with an attention mask, greedy, default (sdpa) attention, float32.
 - hf-cb: transformers continuous batching `generate_batch` with an explicit
@@ -130,11 +134,13 @@ class Ours:
     name = "ours"
 
     def __init__(self, path: Path, max_model_len: int | None, prefix_caching: bool = False,
-                 compile: bool = False, name: str = "ours"):
+                 compile: bool = False, name: str = "ours", quantization: str | None = None):
         from runtime import LLM, SamplingParams
         self.name = name
         kwargs = dict(max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
                       enable_prefix_caching=prefix_caching, compile=compile)
+        if quantization is not None:
+            kwargs["quantization"] = quantization
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
         self.llm = LLM(str(path), **kwargs)
@@ -191,6 +197,13 @@ class Peer:
 
     def close(self):
         self.proc.close()
+
+
+def ours_quant(eng: Ours) -> str:
+    """", <method>" when our engine runs quantized weights (the table then says so), else ""."""
+    engine = eng.llm.engine
+    method = engine.config.quantization or engine.spec.quantization.method
+    return f", {method}" if method != "none" else ""
 
 
 # ------------------------------------------------------------------ driver
@@ -254,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
                          "(default: hf and every installed venv peer)")
     ap.add_argument("--prefix-caching", action="store_true", help="leave our prefix caching on")
     ap.add_argument("--compile", action="store_true", help="torch.compile our model")
+    ap.add_argument("--quantization", default=None,
+                    help="ours only: override the spec's quantization (none = the fp32 weights the peers run)")
     ap.add_argument("--json", dest="json_out", default=None, help="write results to this file")
     ap.add_argument("--profile", type=float, nargs="?", const=20.0, default=None,
                     help="after timing, cProfile our engine for ~N seconds (default 20)")
@@ -274,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_workload(args.requests, args.min_prompt, args.max_prompt, cfg["vocab_size"], args.seed)
     n_prompt = sum(map(len, prompts))
     n_out = args.requests * args.new_tokens
-    print(f"model {label} ({hf_dir}), fp32, threads {torch.get_num_threads()}")
+    print(f"model {label} ({hf_dir}), fp32 peers, ours quantization {args.quantization or 'as the spec says'}, "
+          f"threads {torch.get_num_threads()}")
     print(cpu_features.describe())
     print(f"workload: {args.requests} requests, prompt {args.min_prompt}-{args.max_prompt} tokens "
           f"({n_prompt} total), {args.new_tokens} new tokens each ({n_out} total), seed {args.seed}")
@@ -287,11 +303,13 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             try:
                 if name == "ours":
-                    eng = Ours(path, args.max_model_len, args.prefix_caching, args.compile)
-                    versions[name] = "zooinfer" + (" compiled" if args.compile else " eager")
+                    eng = Ours(path, args.max_model_len, args.prefix_caching, args.compile,
+                               quantization=args.quantization)
+                    versions[name] = "zooinfer" + (" compiled" if args.compile else " eager") + ours_quant(eng)
                 elif name == "ours-compiled":   # beside eager "ours" in the same run
-                    eng = Ours(path, args.max_model_len, args.prefix_caching, True, name=name)
-                    versions[name] = "zooinfer compiled"
+                    eng = Ours(path, args.max_model_len, args.prefix_caching, True, name=name,
+                               quantization=args.quantization)
+                    versions[name] = "zooinfer compiled" + ours_quant(eng)
                 elif name in HF_PEERS:
                     options = ({"mode": "cb", "max_tokens_per_request": args.max_prompt + args.new_tokens}
                                if name == "hf-cb" else {"mode": "generate", "batch": args.hf_batch})

@@ -46,6 +46,10 @@ class KVCacheSpec:
         the block stride of that view may exceed the page (packed pool pages)."""
         raise NotImplementedError(f"{type(self).__name__} must define cache_shape(num_blocks)")
 
+    def view_bytes(self) -> int:
+        """Leading bytes of the page that `cache_shape` views (the rest: int8 scales)."""
+        return self.page_size_bytes
+
 
 @dataclass(frozen=True, slots=True)
 class AttentionSpec(KVCacheSpec):
@@ -54,13 +58,31 @@ class AttentionSpec(KVCacheSpec):
     dtype: torch.dtype
 
     @property
-    def page_size_bytes(self) -> int:
-        """Bytes of one block for one layer (K and V)."""
+    def data_bytes(self) -> int:
+        """Bytes of one block's K and V elements (the `cache_shape` view)."""
         return 2 * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes of one block for one layer: K and V, and for int8 pages their float32 scales
+        (`[2, block_size, num_kv_heads]`, one per token and kv head) right after the data,
+        aligned to 4 bytes (cache/kv_dtype.py, attention/kv_quant.py)."""
+        if self.dtype != torch.int8:
+            return self.data_bytes
+        return self.scales_offset + 2 * self.block_size * self.num_kv_heads * 4
+
+    @property
+    def scales_offset(self) -> int:
+        """Byte offset of an int8 page's scales inside the page."""
+        return -(-self.data_bytes // 4) * 4
+
+    def view_bytes(self) -> int:
+        return self.data_bytes if self.dtype == torch.int8 else self.page_size_bytes
 
     def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         """Block-major, K page then V page, token-major inside: every attention backend's
-        layout (FlashInfer's "NHD" single-tensor cache)."""
+        layout (FlashInfer's "NHD" single-tensor cache). Int8 pages are viewed without their
+        scales: the block stride then exceeds the data, as for packed pages."""
         return (num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim)
 
 

@@ -67,11 +67,12 @@ def kernel_paths() -> dict[str, str]:
     """The path each hot op takes in this process: "library" (the C++ kernels' build: "native",
     "portable" or "off"), "greedy_screen" (the LM head's bf16 screen: "amx", "avx512_bf16",
     "avx2" or "none"), "linear" (what prepacked linears can use: the C++ panel GEMM and/or
-    MKL's packed GEMM, "panel+mkl", "panel", "mkl", else "torch")
+    MKL's packed GEMM, "panel+mkl", "panel", "mkl", else "torch"), "prefill_gemm" (products past
+    64 rows: "blocked" or "mkl", with how it was chosen and the probe's GFLOP/s)
     and "attention" ("cpp" or "torch")."""
     import torch
 
-    from kernels import lm_head
+    from kernels import gemm_choice, lm_head
     built = cpu_build.available()
     lib = cpu_build.library_path() or ""
     library = ("native" if "native" in Path(lib).name else "portable") if built else "off"
@@ -81,7 +82,12 @@ def kernel_paths() -> dict[str, str]:
         screen = f"invalid ({e})"
     mkl = torch.backends.mkl.is_available()
     linear = "+".join(p for p, ok in (("panel", built), ("mkl", mkl)) if ok) or "torch"
-    return {"library": library, "greedy_screen": screen, "linear": linear, "attention": "cpp" if built else "torch"}
+    try:
+        prefill = gemm_choice.choice().describe()
+    except ValueError as e:       # an invalid ZOOINFER_PREFILL_GEMM: say so here, the engine raises it
+        prefill = f"invalid ({e})"
+    return {"library": library, "greedy_screen": screen, "linear": linear, "prefill_gemm": prefill,
+            "attention": "cpp" if built else "torch"}
 
 
 def summary() -> dict[str, object]:

@@ -17,12 +17,19 @@ one page, as they do when the pool packs several small-page layers into one pool
 Both attention kernels take optional attention sinks (gpt-oss): one float32 logit per query
 head that joins the softmax denominator as a key with no value (the online softmax starts
 from max = sink, sum = 1).
+
+The cache may hold float32, bfloat16 or int8 pages (`KV_DTYPES`, cache/kv_dtype.py); the
+kernels compute in fp32 either way. Int8 pages carry per-(token, kv head) float32 scales
+after their data (attention/kv_quant.py), beyond the 5-D view: its block stride covers them.
 """
 from __future__ import annotations
 
 import torch
 
 from kernels import cpu_build
+
+# Page dtypes the kernels read (float32 q and out; bf16 / int8 pages convert, kernels/cpu/kv_elem.h)
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def pages_contiguous(kv_cache: torch.Tensor) -> bool:
@@ -33,6 +40,8 @@ def pages_contiguous(kv_cache: torch.Tensor) -> bool:
         return False
     _, _, bs, heads, dim = kv_cache.shape
     s = kv_cache.stride()
+    if kv_cache.dtype == torch.int8 and kv_cache.shape[0] > 1 and s[0] < -(-2 * bs * heads * dim // 4) * 4 + 8 * bs * heads:
+        return False   # no room for the scales after each page's data
     return ((s[4] == 1 or dim == 1) and (s[3] == dim or heads == 1) and (s[2] == heads * dim or bs == 1)
             and s[1] == bs * heads * dim and (s[0] >= 2 * bs * heads * dim or kv_cache.shape[0] == 1))
 
@@ -81,14 +90,17 @@ def _f32(sinks: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
-    """Store k[t], v[t] (`[tokens, kv_heads, head_dim]`, the cache's dtype) at cache slot
+    """Store k[t], v[t] (`[tokens, kv_heads, head_dim]`, the cache's dtype, or float32 into a
+    bf16 cache (rounded) or an int8 cache (quantized with scales, attention/kv_quant.py)) at cache slot
     slots[t] (int64, block * block_size + offset) of one layer's CPU cache
     `[blocks, 2, block_size, kv_heads, head_dim]` with contiguous pages (any block stride), in one pass. k and v may be strided views
     (e.g. of the qkv projection) as long as each token's row is contiguous. Returns False,
     writing nothing, when the kernel does not apply (library off or missing, other layouts);
     the caller then writes with torch."""
     def rows_ok(x: torch.Tensor) -> bool:
-        return (x.dim() == 3 and x.dtype == kv_cache.dtype and x.device.type == "cpu" and x.stride(2) == 1
+        dtype_ok = x.dtype == kv_cache.dtype != torch.int8 or (
+            x.dtype == torch.float32 and kv_cache.dtype in (torch.bfloat16, torch.int8))   # converts on store
+        return (x.dim() == 3 and dtype_ok and x.device.type == "cpu" and x.stride(2) == 1
                 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]))
     if not (kv_cache.device.type == "cpu" and pages_contiguous(kv_cache) and slots.dtype == torch.int64
             and rows_ok(k) and rows_ok(v) and cpu_build.available()):

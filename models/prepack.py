@@ -9,8 +9,11 @@ Two kinds of packed copy; each linear holds exactly one, and `choose_kind` picks
   (`kernels.gemm.pack_panels`) multiplied by `kernels.gemm.panel_linear`, which streams each
   weight byte once in address order while the FMA units work on the previous ones. Chosen
   when the model's linear weights exceed the last-level cache (`PANEL_MIN_WEIGHT_BYTES`), so
-  a decode step streams them from DRAM; used for products of up to `PANEL_MAX_ROWS` rows
-  (decode steps), larger ones (prefill chunks) run `F.linear` on the original weight.
+  a decode step streams them from DRAM, or when the start-up probe measured the panel kernel
+  faster than MKL's packed GEMM on a cached weight (`kernels.gemm_choice`: AMD Zen 4); used
+  for products of up to `PANEL_MAX_ROWS` rows (decode steps). Larger ones (prefill chunks)
+  run the blocked panel kernel (`gemm.panel_linear_blocked`) where the probe measured it
+  faster than `F.linear` (MKL sgemm), else `F.linear` on the original weight.
 - MKL packed (weights that stay cached, where the products are compute-bound, or no kernel
   library; torch built with MKL): `cblas_sgemm_pack` once at load, `cblas_sgemm_compute` per
   call, as `torch.ops.mkl._mkl_reorder_linear_weight` / `torch.ops.mkl._mkl_linear`
@@ -52,9 +55,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_build, gemm, lm_head
+from kernels import cpu_build, gemm, gemm_choice, lm_head
 
-_PACKED: dict[int, tuple[str, torch.Tensor]] = {}    # key -> (kind, packed weight), for the compiled path
+_PACKED: dict[int, tuple[str, torch.Tensor, bool]] = {}   # key -> (kind, packed, blocked), for the compiled path
 _keys = itertools.count()
 _CHECK_ROWS = (1, 3, 17, 64)
 PANEL_MAX_ROWS = 64         # products of more rows run F.linear (panels stop winning past 64 rows)
@@ -106,25 +109,27 @@ def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> lm_head.Bf16Screen
 
 
 def _packed_matmul(x: torch.Tensor, kind: str, packed: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+                   bias: torch.Tensor | None, blocked: bool = False) -> torch.Tensor:
+    """The product on the packed copy; `blocked`: panel products past PANEL_MAX_ROWS rows run
+    the blocked panel kernel instead of F.linear."""
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
     if kind == "mkl":
         if rows > MKL_MAX_ROWS:
             return F.linear(x, weight, bias)
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
-    if rows > PANEL_MAX_ROWS:
+    if rows > PANEL_MAX_ROWS and not blocked:
         return F.linear(x, weight, bias)
     x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k)
-    out = gemm.panel_linear(x2, packed, weight.shape[0], bias)
+    op = gemm.panel_linear_blocked if rows > PANEL_MAX_ROWS else gemm.panel_linear
+    out = op(x2, packed, weight.shape[0], bias)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
 @torch.library.custom_op("zooinfer::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
     """`F.linear(x, weight, bias)` computed with the packed copy of `weight` registered under `key`."""
-    kind, packed = _PACKED[key]
-    return _packed_matmul(x, kind, packed, weight, bias)
+    return _packed_matmul(x, *_PACKED[key][:2], weight, bias, _PACKED[key][2])
 
 
 @packed_linear.register_fake
@@ -137,7 +142,7 @@ class PackedLinear(nn.Module):
     "mkl", see the module docstring). Holds the same `weight` / `bias` Parameters as the
     module it replaces (ties survive)."""
 
-    def __init__(self, linear: nn.Linear, packed: torch.Tensor, kind: str):
+    def __init__(self, linear: nn.Linear, packed: torch.Tensor, kind: str, blocked: bool = False):
         super().__init__()
         if kind not in ("panel", "mkl"):
             raise ValueError(f"PackedLinear: kind must be 'panel' or 'mkl', got {kind!r}")
@@ -146,24 +151,26 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         self.kind = kind
         self.packed = packed                 # a plain attribute, not a buffer (state dicts stay unchanged)
+        self.blocked = kind == "panel" and blocked   # rows past PANEL_MAX_ROWS: blocked panel kernel
         self.screen: lm_head.Bf16Screen | None = None   # the LM head's bf16 copy, set by `prepack_linears`
         self.key = next(_keys)
-        _PACKED[self.key] = (kind, packed)
+        _PACKED[self.key] = (kind, packed, self.blocked)
         weakref.finalize(self, _PACKED.pop, self.key, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             return torch.ops.zooinfer.packed_linear(x, self.weight, self.bias, self.key)
-        return _packed_matmul(x, self.kind, self.packed, self.weight, self.bias)
+        return _packed_matmul(x, self.kind, self.packed, self.weight, self.bias, self.blocked)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, packed={self.kind}")
+                f"bias={self.bias is not None}, packed={self.kind}{', blocked' if self.blocked else ''}")
 
 
-def _pack(linear: nn.Linear, kind: str | None = None) -> tuple[torch.Tensor, str] | None:
+def _pack(linear: nn.Linear, kind: str | None = None, blocked: bool = False) -> tuple[torch.Tensor, str] | None:
     """(packed weight, kind), or None when this weight cannot use it or the check fails.
-    `kind` None picks panels when the kernel library is available, else MKL."""
+    `kind` None picks panels when the kernel library is available, else MKL. `blocked`: the
+    check also runs a product past PANEL_MAX_ROWS rows (the blocked panel kernel's)."""
     w = linear.weight
     if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.numel() == 0:
         return None
@@ -178,10 +185,10 @@ def _pack(linear: nn.Linear, kind: str | None = None) -> tuple[torch.Tensor, str
         w = w.detach()
         packed = gemm.pack_panels(w) if kind == "panel" else torch.ops.mkl._mkl_reorder_linear_weight(w, 64)
         gen = torch.Generator().manual_seed(0)
-        for rows in _CHECK_ROWS:
+        for rows in _CHECK_ROWS + ((PANEL_MAX_ROWS + 37,) if blocked and kind == "panel" else ()):
             x = torch.randn(rows, w.shape[1], generator=gen)
             want = F.linear(x, w, b)
-            got = _packed_matmul(x, kind, packed, w, None if b is None else b.detach())
+            got = _packed_matmul(x, kind, packed, w, None if b is None else b.detach(), blocked)
             tol = 1e-4 * (1.0 + want.abs().max().item())
             if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=tol):
                 return None
@@ -190,10 +197,11 @@ def _pack(linear: nn.Linear, kind: str | None = None) -> tuple[torch.Tensor, str
 
 def choose_kind(weight_bytes: int) -> str | None:
     """The packed kind for a model whose packable linear weights take `weight_bytes`: panels
-    when they exceed the last-level cache (or MKL is missing), else MKL (or panels when only
+    when they exceed the last-level cache (or MKL is missing, or the start-up probe measured
+    panels faster than MKL on a cached weight: `gemm_choice`), else MKL (or panels when only
     the kernel library exists); None when neither is available."""
     panels, mkl = cpu_build.available(), mkl_supported()
-    if panels and (weight_bytes > PANEL_MIN_WEIGHT_BYTES or not mkl):
+    if panels and (weight_bytes > PANEL_MIN_WEIGHT_BYTES or not mkl or gemm_choice.choice().panels_in_cache):
         return "panel"
     return "mkl" if mkl else None
 
@@ -218,15 +226,16 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
         if kind is None:
             return 0
     packed, failed = 0, []
+    blocked = gemm_choice.large_rows_use_blocked()
     head_on_panels = head is not None and cpu_build.available()
     for parent, name, child in targets:
         is_head = head_on_panels and parent is model and name == head
-        p = _pack(child, "panel" if is_head else kind)
+        p = _pack(child, "panel" if is_head else kind, blocked)
         if p is None:
             if child.weight.device.type == "cpu" and child.weight.dtype == torch.float32:
                 failed.append(name)
             continue
-        linear = PackedLinear(child, *p)
+        linear = PackedLinear(child, *p, blocked=blocked)
         if is_head and lm_head.screen_isa() is not None:
             linear.screen = _checked_screen(child.weight.detach(), linear.packed)
         setattr(parent, name, linear)

@@ -15,6 +15,7 @@ class EngineConfig:
     max_model_len: int | None = None        # default and cap: the spec's max_model_len
     seed: int = 0
     dtype: str | None = None                # default: the spec's dtype
+    kv_cache_dtype: str = "auto"            # attention K/V pages: auto (model dtype), float32, bfloat16, int8, fp8_e4m3
     attention_backend: str = "torch"
     device: str = "cpu"
     compile: bool = False                   # whole-model torch.compile, warmed up at engine start
@@ -52,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be an integer >= 2, got {self.num_kv_blocks!r}")
         if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, (str, os.PathLike)):
             raise ValueError(f"compile_cache_dir must be a path, got {self.compile_cache_dir!r}")
+        from cache.kv_dtype import check_kv_cache_dtype
+        check_kv_cache_dtype(self.kv_cache_dtype)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
         if not isinstance(self.prepack_weights, bool):

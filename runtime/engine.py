@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from cache.kv_dtype import check_specs as check_kv_specs, resolve_kv_cache_dtype
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
 from kernels import cpu_features
@@ -78,6 +79,8 @@ class Engine:
         if dtype_name not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
         dtype = DTYPES[dtype_name]
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype, config.device,
+                                          config.attention_backend)   # K/V pages only
         torch.manual_seed(config.seed)
         ckpt = checkpoint_dir(spec)
         phase("spec")
@@ -106,6 +109,8 @@ class Engine:
             draft.load(dtype, config, self.model)
             layer_specs = draft.join_kv_specs(layer_specs, config.block_size, dtype)
         try:
+            layer_specs = self.model.kv_cache_specs(config.block_size, kv_dtype)
+            check_kv_specs(layer_specs, kv_dtype)
             kv_config = make_kv_cache_config(
                 layer_specs, config.block_size,
                 num_blocks=config.num_kv_blocks, memory_bytes=config.kv_cache_memory,
@@ -121,7 +126,7 @@ class Engine:
         self.executor.init_runner(kv_config, max_num_reqs=config.max_num_seqs,
                                   max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids,
                                   attention_backend=config.attention_backend, device=config.device,
-                                  kv_dtype=dtype, compile=config.compile,
+                                  kv_dtype=kv_dtype, compile=config.compile,
                                   compile_cache_dir=config.compile_cache_dir,
                                   cuda_graphs=config.cuda_graphs, cuda_graph_max_bs=config.cuda_graph_max_bs)
         self.runner = self.executor.runner      # rank 0's runner
@@ -164,7 +169,9 @@ class Engine:
             self.step()
 
     # ------------------------------------------------------------- requests
-    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+    def tokenize(self, prompt, tokenizer=None) -> tuple[str | None, list[int]]:
+        """(text, token ids) of a prompt; `tokenizer`: a copy of this model's tokenizer to
+        encode with instead (the server tokenizes off the engine thread with its own)."""
         if isinstance(prompt, dict) and "prompt_token_ids" not in prompt and isinstance(prompt.get("prompt"), str):
             text, special = prompt["prompt"], prompt.get("add_special_tokens", True)
         elif isinstance(prompt, str):
@@ -180,7 +187,7 @@ class Engine:
         if self.tokenizer is None:
             raise ParamError("this model has no tokenizer: pass {'prompt_token_ids': [...]}", "prompt")
         check_text(text, "prompt")
-        return text, self.tokenizer.encode(text, add_special_tokens=special)
+        return text, (tokenizer or self.tokenizer).encode(text, add_special_tokens=special)
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                      cap_max_tokens: bool = True, priority: int = 0) -> Request:

@@ -5,6 +5,8 @@ and a sample of every weight: name, shape, dtype and up to 1024 evenly spaced va
 checkpoints of one architecture differ), the KV layout (block size, page bytes, buffers, every
 group's spec with its dtype and layers) and the user's `kv_tier_salt`. Engines that agree on
 all of it share entries through a disk folder or a Redis server; others never see them.
+A draft model's weights (speculative decoding) join the sample: its KV lives in the same
+pages, so engines whose drafts differ must not share entries.
 """
 from __future__ import annotations
 
@@ -18,12 +20,16 @@ from cache.tiers.swap import MODES
 from cache.tiers.transfer import payload_bytes, run_transfers
 
 
-def model_fingerprint(model: torch.nn.Module, spec_name: str, kv_config: KVCacheConfig, salt: str) -> bytes:
+def model_fingerprint(model: torch.nn.Module, spec_name: str, kv_config: KVCacheConfig, salt: str,
+                      draft: torch.nn.Module | None = None) -> bytes:
     parts: list[bytes | str] = [spec_name, salt, f"bs={kv_config.block_size} page={kv_config.page_size_bytes} "
                                                f"buffers={kv_config.num_buffers}"]
     parts += [f"{type(g.spec).__name__}{g.spec!r}{g.layer_ids}" for g in kv_config.groups]
+    state = dict(model.state_dict())
+    if draft is not None:
+        state.update({f"<draft>.{k}": v for k, v in draft.state_dict().items()})
     with torch.no_grad():
-        for name, t in sorted(model.state_dict().items()):
+        for name, t in sorted(state.items()):
             flat = t.detach().reshape(-1)
             sample = flat[:: max(1, flat.numel() // 1024)][:1024].to("cpu").contiguous()
             parts += [f"{name}{tuple(t.shape)}{t.dtype}", sample.view(torch.uint8).numpy().tobytes()]
@@ -72,7 +78,8 @@ def attach_tiers(engine, config, kv_config: KVCacheConfig) -> TierCoordinator | 
         except Exception as e:  # noqa: BLE001 - one line naming the setting
             raise ValueError(f"kv_remote_tier_url {config.kv_remote_tier_url!r}: cannot reach it "
                              f"({type(e).__name__}: {e})") from None
-    fp = model_fingerprint(engine.model, engine.spec.name, kv_config, config.kv_tier_salt)
+    draft = getattr(getattr(engine.spec_decoder, "proposer", None), "model", None)
+    fp = model_fingerprint(engine.model, engine.spec.name, kv_config, config.kv_tier_salt, draft)
     tiers = [HostTier(config.kv_host_tier_bytes)] if config.kv_host_tier_bytes else []
     if config.kv_disk_tier_dir is not None:
         tiers.append(DiskTier(config.kv_disk_tier_dir, config.kv_disk_tier_bytes, fp))

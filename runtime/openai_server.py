@@ -114,6 +114,14 @@ class OpenAIServer(ChatRoutes, CompletionRoutes, StreamingMixin, LogprobsFormat)
     async def merged(started, n: int) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Interleave the prompts' streams as outputs arrive, as (choice index, output):
         choice p * n + i is sample i of prompt p. Closing it closes them all."""
+        if len(started) == 1:       # one prompt (n samples): its stream as is, no pump task and queue per token
+            stream = started[0][2]
+            try:
+                async for out in stream:
+                    yield out.outputs[0].index, out
+            finally:
+                await stream.aclose()       # an early close aborts the unfinished samples
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(p_idx, stream):

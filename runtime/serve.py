@@ -114,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-kv-blocks", type=int, default=None)
     ap.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the KV pool")
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-dtype", default="auto", help="attention K/V pages: auto (the model dtype), float32, "
+                    "bfloat16, int8 (per-token scales) or fp8_e4m3 (CUDA)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model forward")
     ap.add_argument("--compile-cache-dir", default=None, help="inductor cache (warm restarts compile in seconds)")
     ap.add_argument("--attention-backend", default="torch", help="torch (default), triton or flashinfer")
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                               max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
                               kv_cache_memory=int(args.kv_cache_memory * (1 << 30)),
-                              block_size=args.block_size, compile=args.compile,
+                              block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype, compile=args.compile,
                               compile_cache_dir=args.compile_cache_dir, attention_backend=args.attention_backend,
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                               enable_prefix_caching=not args.no_prefix_caching,

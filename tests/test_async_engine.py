@@ -36,7 +36,8 @@ def test_streams_and_aborts_on_close(engine):
         assert req.prompt_token_ids == [1, 2, 3]
         outs = [out async for out in stream]
         assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 40
-        assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 41))   # one per token
+        lens = [len(o.outputs[0].token_ids) for o in outs]   # one per step; a lagging reader gets the latest
+        assert lens == sorted(set(lens)) and lens[-1] == 40
         _, stream = await ae.add_request({"prompt_token_ids": [4, 5]}, PARAMS, "b")
         async for out in stream:
             break                                   # the client goes away after one token

@@ -56,7 +56,7 @@ def test_paths_are_the_ones_the_kernels_take(monkeypatch):
 def test_summary_carries_model_flags_and_paths():
     s = cpu_features.summary()
     assert s["cpu_model"] == cpu_features.cpu_model() and s["cpu_flags"] == cpu_features.cpu_flags()
-    assert set(s["kernel_paths"]) == {"library", "greedy_screen", "linear", "attention"}
+    assert set(s["kernel_paths"]) == {"library", "greedy_screen", "linear", "prefill_gemm", "attention"}
 
 
 def test_engine_logs_the_report_once(tiny_hf, monkeypatch, caplog):

@@ -91,10 +91,10 @@ def test_async_engine_and_server_keep_serving(llm, monkeypatch):
     ref = _reference(llm)
     real_tokenize = engine.tokenize
 
-    def tokenize(prompt):        # a tokenizer bug that only this prompt hits
+    def tokenize(prompt, tokenizer=None):        # a tokenizer bug that only this prompt hits
         if isinstance(prompt, dict) and prompt.get("prompt") == "boom":
             raise KeyError("tokenizer bug")
-        return real_tokenize(prompt)
+        return real_tokenize(prompt, tokenizer)
 
     monkeypatch.setattr(engine, "tokenize", tokenize)
     tail = real_tokenize(PROMPTS[1])[1][-5:]

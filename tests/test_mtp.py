@@ -125,7 +125,8 @@ def test_mtp_forward_matches_the_formula(mtp_ckpt):
     eng.add_request(req)
     while not req.output_token_ids:         # the prefill (a hybrid's is chunked at its state checkpoint)
         eng.step()
-    num, draft1, ours = eng.runner.draft.first["r"]
+    num, draft1, ours, q = eng.runner.draft.first["r"]
+    assert q is None                         # greedy: a point-mass proposal
     seq = torch.tensor([prompt + c.ref[2][:1]])
     assert num == seq.shape[1]
     eps = model.config.rms_norm_eps
@@ -158,3 +159,30 @@ def test_mtp_errors_in_one_line(tiny_hf):
     path, _ = tiny_hf("llama")
     with pytest.raises(ValueError, match=r"^speculative.method: 'mtp' needs multi-token-prediction layers"):
         LLM(path, speculative=MTP)
+
+
+@pytest.mark.parametrize("mtp_ckpt", ["deepseek_v3", pytest.param("qwen3_next", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_seeded_sampling_with_mtp_follows_the_target(mtp_ckpt):
+    """Sampled requests draw MTP drafts from the head's distribution q and the rejection
+    sampler verifies with q: over 2400 seeded requests at temperature 1, token 2 (draft 1)
+    follows the target's p(t2 | t1) jointly with t1 (test_spec_draft.pairs_chi_square),
+    drafts are accepted and rejected, and the proposals carried q (not a point mass)."""
+    from tests.test_spec_draft import pairs_chi_square
+    c = mtp_ckpt
+    llm = LLM(c.path, speculative={**MTP, "num_speculative_tokens": 2}, max_num_seqs=256)
+    seen_q = []
+    orig = llm.engine.runner.draft.proposal
+
+    def proposal(*a):
+        got = orig(*a)
+        seen_q.append(got is not None and bool(((got > 0) & (got < 1)).any()))
+        return got
+    llm.engine.runner.draft.proposal = proposal
+    n = 2400
+    chi = pairs_chi_square(llm, c.model, c.prompts[0], n)
+    s = llm.kv_cache_stats()
+    assert s["spec_decode_num_drafts"] >= n and 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
+    assert any(seen_q)
+    assert chi < 37.7    # 15 dof, p = 0.001
+    _all_free(llm)

@@ -159,7 +159,7 @@ def test_prepack_swaps_every_cpu_float32_linear_and_keeps_ties():
 
 def test_a_weight_whose_check_fails_stays_plain(monkeypatch):
     real = prepack._packed_matmul
-    monkeypatch.setattr(prepack, "_packed_matmul", lambda x, kind, p, w, b: real(x, kind, p, w, b) + 1.0)
+    monkeypatch.setattr(prepack, "_packed_matmul", lambda *a: real(*a) + 1.0)
     model = nn.Sequential(nn.Linear(8, 8))
     with pytest.warns(RuntimeWarning, match="stay unpacked"):
         assert prepack_linears(model) == 0
@@ -209,6 +209,7 @@ def test_engine_outputs_identical_with_and_without_packing(tiny_hf, monkeypatch,
 
 @needs_kernels
 def test_kind_follows_whether_the_weights_fit_the_last_level_cache(monkeypatch):
+    monkeypatch.setenv("ZOOINFER_PREFILL_GEMM", "mkl")     # the cache-size rule alone (no probe verdict)
     llc = prepack.PANEL_MIN_WEIGHT_BYTES
     assert prepack.choose_kind(llc + 1) == "panel"
     if prepack.mkl_supported():

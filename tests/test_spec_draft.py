@@ -153,14 +153,10 @@ def test_hybrid_draft(tiny_hf, reference, near, target, draft):
     _all_free(llm)
 
 
-def test_seeded_sampling_with_a_draft_follows_the_target(tiny_hf, near):
-    """Tokens 1 and 2 of 2400 seeded requests at temperature 1, top_k 4 (16 possible pairs),
-    token 2 drafted by the near draft and verified by rejection sampling: their joint
-    frequency follows the target's p(t1) p(t2 | t1), computed from HF's logits."""
-    path, model = tiny_hf("llama")
-    prompt = _prompts(TINY_VOCAB)[1]
-    topk = 4
-
+def pairs_chi_square(llm, model, prompt: list[int], n: int = 2400, topk: int = 4) -> float:
+    """Tokens 1 and 2 of n seeded requests at temperature 1, top_k `topk` (topk^2 possible
+    pairs) from `llm`: the chi-square of their joint frequency against the target's
+    p(t1) p(t2 | t1), computed from the HF model's logits (topk^2 - 1 dof)."""
     def dist(logits):
         v, i = logits.topk(topk)
         return i, torch.softmax(v, -1)
@@ -171,17 +167,25 @@ def test_seeded_sampling_with_a_draft_follows_the_target(tiny_hf, near):
             i2, p2 = dist(model(torch.tensor([prompt + [a]])).logits[0, -1].double())
             joint += (pa * p2).tolist()
             cells += [(a, b) for b in i2.tolist()]
-    llm = LLM(path, speculative=_draft(near("llama"), k=2), max_num_seqs=256)
-    n = 2400
     params = [SamplingParams(temperature=1.0, top_k=topk, max_tokens=3, seed=s) for s in range(n)]
     outs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
     index = {c: j for j, c in enumerate(cells)}
     observed = torch.zeros(len(cells))
     for o in outs:
         observed[index[tuple(o.outputs[0].token_ids[:2])]] += 1
+    return chi_square(observed, torch.tensor(joint, dtype=torch.float32))
+
+
+def test_seeded_sampling_with_a_draft_follows_the_target(tiny_hf, near):
+    """Token 2 of 2400 seeded requests drafted by the near draft (from its distribution q)
+    and verified by rejection sampling: tokens 1 and 2 follow the target (pairs_chi_square)."""
+    path, model = tiny_hf("llama")
+    llm = LLM(path, speculative=_draft(near("llama"), k=2), max_num_seqs=256)
+    n = 2400
+    chi = pairs_chi_square(llm, model, _prompts(TINY_VOCAB)[1], n)
     s = _stats(llm)
     assert s["spec_decode_num_drafts"] >= n and 0 < s["spec_decode_num_accepted_tokens"] < s["spec_decode_num_draft_tokens"]
-    assert chi_square(observed, torch.tensor(joint, dtype=torch.float32)) < 37.7    # 15 dof, p = 0.001
+    assert chi < 37.7    # 15 dof, p = 0.001
     _all_free(llm)
 
 

@@ -11,12 +11,19 @@
 // Attention sinks (gpt-oss: a learned logit per query head in the softmax denominator, with
 // no value) are the running max and sum's starting point: max = sink, sum = exp(0) = 1.
 //
+// Pages may hold float32, bfloat16 or int8 (kv_elem.h, cache/kv_dtype.py); every product and
+// sum is fp32. bf16 rows widen exactly, so a bf16 cache gives bit for bit what a float32 cache
+// holding the same (bf16-rounded) values gives. Int8 rows convert exactly and the page's
+// per-(token, kv head) scales are applied once per key: the score as s_k * (q . k_int8), the
+// weight as w * s_v, i.e. the fp32 reference on the dequantized cache up to fp32 rounding.
+//
 // Registered as a plain dispatcher op (no pybind): the build includes only ATen and the op
 // library headers, which keeps the one-time JIT build short.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kv_elem.h"
 #include "paged_checks.h"
 #include "vec_exp.h"
 
@@ -24,7 +31,12 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -47,25 +59,44 @@ inline float hsum(vf v) {
 
 inline vf vexp(vf x) { return zooinfer_vec::exp<vf, vi>(x); }   // see vec_exp.h
 
+// Eight page elements of type T as floats (kv_elem.h).
+template <class T>
+inline vf load_kv(const T* p) { return zooinfer_kv::load_f<vf>(p); }
+// int8: GCC scalarises the generic 8-byte vector conversion (movsbl + vpinsr per lane, half the
+// fp32 kernel's speed on Zen 4), so on AVX2 and up it is one vpmovsxbd + vcvtdq2ps.
+inline vf load_kv(const int8_t* p) {
+#if defined(__AVX2__)
+  int64_t x;
+  __builtin_memcpy(&x, p, 8);
+  const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_cvtsi64_si128(x)));
+  vf v;
+  __builtin_memcpy(&v, &f, sizeof v);
+  return v;
+#else
+  return zooinfer_kv::load_f<vf>(p);
+#endif
+}
+using zooinfer_kv::to_f;
+
 // KD > 0: the head dim known at compile time (loops fully unrolled); KD == 0: runtime `dim`.
-template <int64_t KD>
-inline float dot(const float* __restrict a, const float* __restrict b, int64_t dim) {
+template <int64_t KD, class T>
+inline float dot(const float* __restrict a, const T* __restrict b, int64_t dim) {
   const int64_t D = KD > 0 ? KD : dim;
   vf acc = splat(0.f);
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8) acc += load(a + d) * load(b + d);
+  for (; d + 8 <= D; d += 8) acc += load(a + d) * load_kv(b + d);
   float s = hsum(acc);
-  for (; d < D; ++d) s += a[d] * b[d];
+  for (; d < D; ++d) s += a[d] * to_f(b[d]);
   return s;
 }
 
-template <int64_t KD>
-inline void axpy(float* __restrict y, float a, const float* __restrict x, int64_t dim) {
+template <int64_t KD, class T>
+inline void axpy(float* __restrict y, float a, const T* __restrict x, int64_t dim) {
   const int64_t D = KD > 0 ? KD : dim;
   const vf av = splat(a);
   int64_t d = 0;
-  for (; d + 8 <= D; d += 8) store(y + d, load(y + d) + av * load(x + d));
-  for (; d < D; ++d) y[d] += a * x[d];
+  for (; d + 8 <= D; d += 8) store(y + d, load(y + d) + av * load_kv(x + d));
+  for (; d < D; ++d) y[d] += a * to_f(x[d]);
 }
 
 #if defined(__has_builtin)
@@ -100,8 +131,8 @@ inline vf hsum8(const vf* v) {
 // Scores of one query head against rows [t0, t1) of one kv head's K in a page (rows
 // `stride` floats apart): p[t] = q . k_t. KD > 0 (a multiple of 8): the query stays in
 // registers and eight rows are reduced together; KD == 0: one dot product per row.
-template <int64_t KD>
-inline void head_scores(const float* __restrict qv, const float* __restrict k, int64_t stride, int64_t t0,
+template <int64_t KD, class T>
+inline void head_scores(const float* __restrict qv, const T* __restrict k, int64_t stride, int64_t t0,
                         int64_t t1, int64_t dim, float* __restrict p) {
   int64_t t = t0;
   if constexpr (KD > 0) {
@@ -111,19 +142,19 @@ inline void head_scores(const float* __restrict qv, const float* __restrict k, i
     for (; t + 8 <= t1; t += 8) {
       vf a[8];
       for (int u = 0; u < 8; ++u) {
-        const float* row = k + (t + u) * stride;
-        a[u] = qr[0] * load(row);
-        for (int64_t c = 1; c < NV; ++c) a[u] += qr[c] * load(row + 8 * c);
+        const T* row = k + (t + u) * stride;
+        a[u] = qr[0] * load_kv(row);
+        for (int64_t c = 1; c < NV; ++c) a[u] += qr[c] * load_kv(row + 8 * c);
       }
       store(p + t, hsum8(a));
     }
   }
-  for (; t < t1; ++t) p[t] = dot<KD>(qv, k + t * stride, dim);
+  for (; t < t1; ++t) p[t] = dot<KD, T>(qv, k + t * stride, dim);
 }
 
 // acc += sum over rows t in [t0, t1) of w[t] * v_t; KD > 0: the accumulator stays in registers.
-template <int64_t KD>
-inline void head_values(float* __restrict acc, const float* __restrict w, const float* __restrict v,
+template <int64_t KD, class T>
+inline void head_values(float* __restrict acc, const float* __restrict w, const T* __restrict v,
                         int64_t stride, int64_t t0, int64_t t1, int64_t dim) {
   if constexpr (KD > 0) {
     constexpr int64_t NV = KD / 8;
@@ -131,20 +162,21 @@ inline void head_values(float* __restrict acc, const float* __restrict w, const 
     for (int64_t c = 0; c < NV; ++c) o[c] = load(acc + 8 * c);
     for (int64_t t = t0; t < t1; ++t) {
       const vf wt = splat(w[t]);
-      const float* row = v + t * stride;
-      for (int64_t c = 0; c < NV; ++c) o[c] += wt * load(row + 8 * c);
+      const T* row = v + t * stride;
+      for (int64_t c = 0; c < NV; ++c) o[c] += wt * load_kv(row + 8 * c);
     }
     for (int64_t c = 0; c < NV; ++c) store(acc + 8 * c, o[c]);
   } else {
-    for (int64_t t = t0; t < t1; ++t) axpy<0>(acc, w[t], v + t * stride, dim);
+    for (int64_t t = t0; t < t1; ++t) axpy<0, T>(acc, w[t], v + t * stride, dim);
   }
 }
 
-// Prefetch (into L2) `rows` rows of `len` floats, `stride` floats apart.
-inline void prefetch_rows(const float* base, int64_t stride, int64_t rows, int64_t len) {
+// Prefetch (into L2) `rows` rows of `len` elements, `stride` elements apart.
+template <class T>
+inline void prefetch_rows(const T* base, int64_t stride, int64_t rows, int64_t len) {
   for (int64_t t = 0; t < rows; ++t) {
     const char* row = reinterpret_cast<const char*>(base + t * stride);
-    for (int64_t b = 0; b < len * 4; b += 64) __builtin_prefetch(row + b, 0, 2);
+    for (int64_t b = 0; b < len * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(row + b, 0, 2);
   }
 }
 
@@ -153,8 +185,8 @@ using Shape = zooinfer_paged::PagedShape;
 // Attention of decode `i` for kv heads [h0, h1) (query heads [h0 * group, h1 * group)).
 // `scratch` holds (h1 - h0) * group * (2 * dim + block_size + 10) floats.
 // `sinks`: nullptr, or one logit per query head.
-template <int64_t KD>
-void decode_one(const float* q, const float* cache, const int32_t* table, int64_t row, int64_t tok,
+template <int64_t KD, class T>
+void decode_one(const float* q, const T* cache, const int32_t* table, int64_t row, int64_t tok,
                 int64_t ctx, int64_t window, float scale, const float* sinks, float* out, const Shape& s,
                 int64_t h0, int64_t h1, float* scratch) {
   const int64_t nq = (h1 - h0) * s.group, D = KD > 0 ? KD : s.dim, B = s.block_size, G = s.group;
@@ -179,20 +211,26 @@ void decode_one(const float* q, const float* cache, const int32_t* table, int64_
   int64_t block = bt[(start / B) * s.bt_col];
   for (int64_t page = start / B; page <= last; ++page) {
     TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode: block id ", block, " out of range");
-    const float* kpage = cache + block * page_stride + h0 * D;
-    const float* vpage = kpage + B * token_stride;
+    const T* kpage = cache + block * page_stride + h0 * D;
+    const T* vpage = kpage + B * token_stride;
+    // int8: the page's scales [K|V][token][kv head] (paged_checks.h)
+    const float* kscale = zooinfer_kv::scaled<T>
+        ? reinterpret_cast<const float*>(reinterpret_cast<const char*>(cache + block * page_stride) + s.scales_offset)
+        : nullptr;
     // Pages are scattered, so the hardware prefetcher restarts at each one: each head's pass
     // over this page prefetches that head's rows of the next page (K during the K pass, V
     // during the V pass), which spreads the prefetches over the page's work.
     const int64_t next = page < last ? bt[(page + 1) * s.bt_col] : -1;
-    const float* knext = next >= 0 && next < s.num_blocks ? cache + next * page_stride + h0 * D : nullptr;
+    const T* knext = next >= 0 && next < s.num_blocks ? cache + next * page_stride + h0 * D : nullptr;
     const int64_t t0 = std::max(start - page * B, int64_t(0));
     const int64_t t1 = std::min(ctx - page * B, B);
     for (int64_t h = 0; h < h1 - h0; ++h) {
       if (knext) prefetch_rows(knext + h * D, token_stride, B, D);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = h * G + g;
-        head_scores<KD>(qs + j * D, kpage + h * D, token_stride, t0, t1, D, p + j * Bp);
+        head_scores<KD, T>(qs + j * D, kpage + h * D, token_stride, t0, t1, D, p + j * Bp);
+        if constexpr (zooinfer_kv::scaled<T>)
+          for (int64_t t = t0; t < t1; ++t) p[j * Bp + t] *= kscale[t * s.kv_heads + h0 + h];
       }
     }
     for (int64_t j = 0; j < nq; ++j) {
@@ -220,7 +258,9 @@ void decode_one(const float* q, const float* cache, const int32_t* table, int64_
       if (knext) prefetch_rows(knext + B * token_stride + h * D, token_stride, B, D);
       for (int64_t g = 0; g < G; ++g) {
         const int64_t j = h * G + g;
-        head_values<KD>(acc + j * D, p + j * Bp, vpage + h * D, token_stride, t0, t1, D);
+        if constexpr (zooinfer_kv::scaled<T>)   // the weights now carry the V scale (l keeps the plain sum)
+          for (int64_t t = t0; t < t1; ++t) p[j * Bp + t] *= kscale[(B + t) * s.kv_heads + h0 + h];
+        head_values<KD, T>(acc + j * D, p + j * Bp, vpage + h * D, token_stride, t0, t1, D);
       }
     }
     block = next;
@@ -246,7 +286,6 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   const Shape s = zooinfer_paged::paged_shape("paged_decode", q, kv_cache, block_table, out);
   const float* sp = zooinfer_paged::sinks_ptr("paged_decode", sinks, s.heads);
   const float* qp = q.data_ptr<float>();
-  const float* cp = kv_cache.data_ptr<float>();
   const int32_t* bp = block_table.data_ptr<int32_t>();
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* tp = token_index.data_ptr<int64_t>();
@@ -276,16 +315,24 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
   std::atomic<int64_t> next{0};
   const float sc = static_cast<float>(scale);
   const int64_t workers = std::min<int64_t>(at::get_num_threads(), items);
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    std::vector<float> scratch(heads_per_item * s.group * (2 * s.dim + s.block_size + 10));
-    auto* fn = s.dim == 16 ? decode_one<16> : s.dim == 32 ? decode_one<32> : s.dim == 64 ? decode_one<64>
-             : s.dim == 128 ? decode_one<128> : decode_one<0>;   // other dims: runtime loops
-    for (int64_t k = next.fetch_add(1); k < items; k = next.fetch_add(1)) {
-      const int64_t item = order[k];
-      const int64_t i = item / split, h0 = (item % split) * heads_per_item;
-      fn(qp, cp, bp, rp[i], tp[i], lp[i], window, sc, sp, op, s, h0, h0 + heads_per_item, scratch.data());
-    }
-  });
+  auto run = [&](auto* cp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(cp)>>;
+    at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+      std::vector<float> scratch(heads_per_item * s.group * (2 * s.dim + s.block_size + 10));
+      auto* fn = s.dim == 16 ? decode_one<16, T> : s.dim == 32 ? decode_one<32, T> : s.dim == 64 ? decode_one<64, T>
+               : s.dim == 128 ? decode_one<128, T> : decode_one<0, T>;   // other dims: runtime loops
+      for (int64_t k = next.fetch_add(1); k < items; k = next.fetch_add(1)) {
+        const int64_t item = order[k];
+        const int64_t i = item / split, h0 = (item % split) * heads_per_item;
+        fn(qp, cp, bp, rp[i], tp[i], lp[i], window, sc, sp, op, s, h0, h0 + heads_per_item, scratch.data());
+      }
+    });
+  };
+  switch (kv_cache.scalar_type()) {   // paged_shape admitted these three
+    case at::kBFloat16: run(static_cast<const c10::BFloat16*>(kv_cache.data_ptr())); break;
+    case at::kChar: run(static_cast<const int8_t*>(kv_cache.data_ptr())); break;
+    default: run(kv_cache.data_ptr<float>());
+  }
 }
 
 }  // namespace

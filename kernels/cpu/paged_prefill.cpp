@@ -21,11 +21,17 @@
 // head in the softmax denominator, with no value) start each row's running max at the sink
 // and its running sum at 1.
 //
+// Pages may hold float32, bfloat16 or int8 (kv_elem.h, cache/kv_dtype.py): each key chunk is
+// converted to fp32 once, in the transpose / copy into the scratch tiles (int8: times its
+// per-(token, kv head) scale), so everything after is the float32 kernel and a bf16 or int8
+// cache gives bit for bit what a float32 cache holding the dequantized values gives.
+//
 // Registered as a plain dispatcher op (no pybind), like paged_decode.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "kv_elem.h"
 #include "paged_checks.h"
 #include "vec_exp.h"
 
@@ -34,6 +40,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -168,8 +175,8 @@ inline void values(float* __restrict o, const float* __restrict p, const float* 
 // Attention of one item. Row r of the tile is token t0 + r / group, query head
 // kvh * group + r % group; rows are padded to a multiple of RB (pads repeat the last row's
 // position, their queries are zero and their output is dropped).
-template <int64_t DP>
-void tile(const float* q, const float* cache, const int32_t* table, float* out, const Shape& s, int64_t row,
+template <int64_t DP, class T>
+void tile(const float* q, const T* cache, const int32_t* table, float* out, const Shape& s, int64_t row,
           int64_t q_start, int64_t q_len, int64_t ctx, const Item& it, Scratch& w) {
   const int64_t G = s.group, D = s.dim, B = s.block_size, h = it.kvh;
   const int64_t nrows = (it.t1 - it.t0) * G, prows = (nrows + RB - 1) / RB * RB;
@@ -203,14 +210,22 @@ void tile(const float* q, const float* cache, const int32_t* table, float* out, 
       const int64_t p = c0 + t;
       const int64_t block = bt[(p / B) * s.bt_col];
       TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_prefill: block id ", block, " out of range");
-      const float* krow = cache + block * page_stride + (p % B) * token_stride + h * D;
-      const float* vrow = krow + B * token_stride;
-      for (int64_t d = 0; d < D; ++d) w.kt[d * KC + t] = krow[d];
+      const T* krow = cache + block * page_stride + (p % B) * token_stride + h * D;
+      const T* vrow = krow + B * token_stride;
       float* vdst = w.vc.data() + t * DP;
-      if (D == DP) {
-        for (int64_t d = 0; d < DP; d += VW) store(vdst + d, load(vrow + d));
+      if constexpr (zooinfer_kv::scaled<T>) {   // int8: dequantize with the token's K and V scales
+        const float* sc = reinterpret_cast<const float*>(
+            reinterpret_cast<const char*>(cache + block * page_stride) + s.scales_offset);
+        const float ks = sc[(p % B) * s.kv_heads + h], vs = sc[(B + p % B) * s.kv_heads + h];
+        for (int64_t d = 0; d < D; ++d) w.kt[d * KC + t] = static_cast<float>(krow[d]) * ks;
+        for (int64_t d = 0; d < D; ++d) vdst[d] = static_cast<float>(vrow[d]) * vs;
       } else {
-        for (int64_t d = 0; d < D; ++d) vdst[d] = vrow[d];
+        for (int64_t d = 0; d < D; ++d) w.kt[d * KC + t] = zooinfer_kv::to_f(krow[d]);
+        if (D == DP) {
+          for (int64_t d = 0; d < DP; d += VW) store(vdst + d, zooinfer_kv::load_f<vf>(vrow + d));
+        } else {
+          for (int64_t d = 0; d < D; ++d) vdst[d] = zooinfer_kv::to_f(vrow[d]);
+        }
       }
     }
     // The rows of the next chunk are scattered over pages (a token's row is kv_heads * D
@@ -219,8 +234,8 @@ void tile(const float* q, const float* cache, const int32_t* table, float* out, 
       const int64_t block = bt[(p / B) * s.bt_col];
       if (block < 0 || block >= s.num_blocks) continue;   // checked when read
       const char* krow = reinterpret_cast<const char*>(cache + block * page_stride + (p % B) * token_stride + h * D);
-      const char* vrow = krow + B * token_stride * sizeof(float);
-      for (int64_t b = 0; b < D * 4; b += 64) {
+      const char* vrow = krow + B * token_stride * sizeof(T);
+      for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) {
         __builtin_prefetch(krow + b, 0, 3);
         __builtin_prefetch(vrow + b, 0, 3);
       }
@@ -327,25 +342,32 @@ void paged_prefill(const at::Tensor& q, const at::Tensor& kv_cache, const at::Te
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
   const int64_t dp = (s.dim + VW - 1) / VW * VW;
   const int64_t padded_dim = dp <= 16 ? 16 : dp <= 32 ? 32 : dp <= 64 ? 64 : dp <= 128 ? 128 : 256;
-  auto* fn = padded_dim == 16 ? tile<16> : padded_dim == 32 ? tile<32> : padded_dim == 64 ? tile<64>
-           : padded_dim == 128 ? tile<128> : tile<256>;
   const float* qp = q.data_ptr<float>();
-  const float* cp = kv_cache.data_ptr<float>();
   const int32_t* bp = block_table.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   std::atomic<int64_t> next{0};
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t max_rows = (tile_tokens * s.group + RB - 1) / RB * RB;
-  at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
-    Scratch w(max_rows, padded_dim);
-    for (int64_t k = next.fetch_add(1); k < num_items; k = next.fetch_add(1)) {
-      const Item& it = items[k];
-      for (int64_t a = it.t0; a < it.t1; a += tile_tokens) {
-        const Item one{it.req, it.kvh, a, std::min(a + tile_tokens, it.t1), 0};
-        fn(qp, cp, bp, op, s, rp[it.req], qsp[it.req], qlp[it.req], lp[it.req], one, w);
+  auto run = [&](auto* cp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(cp)>>;
+    auto* fn = padded_dim == 16 ? tile<16, T> : padded_dim == 32 ? tile<32, T> : padded_dim == 64 ? tile<64, T>
+             : padded_dim == 128 ? tile<128, T> : tile<256, T>;
+    at::parallel_for(0, std::min(threads, num_items), 1, [&](int64_t, int64_t) {
+      Scratch w(max_rows, padded_dim);
+      for (int64_t k = next.fetch_add(1); k < num_items; k = next.fetch_add(1)) {
+        const Item& it = items[k];
+        for (int64_t a = it.t0; a < it.t1; a += tile_tokens) {
+          const Item one{it.req, it.kvh, a, std::min(a + tile_tokens, it.t1), 0};
+          fn(qp, cp, bp, op, s, rp[it.req], qsp[it.req], qlp[it.req], lp[it.req], one, w);
+        }
       }
-    }
-  });
+    });
+  };
+  switch (kv_cache.scalar_type()) {   // paged_shape admitted these three
+    case at::kBFloat16: run(static_cast<const c10::BFloat16*>(kv_cache.data_ptr())); break;
+    case at::kChar: run(static_cast<const int8_t*>(kv_cache.data_ptr())); break;
+    default: run(kv_cache.data_ptr<float>());
+  }
 }
 
 }  // namespace

@@ -46,10 +46,18 @@ from runtime.worker.step_plan import StepBatch, plan_layers
 
 
 class DraftModel:
-    """The runner's side: the draft model over the runner's persistent batch and pool."""
+    """The runner's side: the draft model over the runner's persistent batch and pool. With
+    the runner's `compile=True` a draft model's forward is compiled the same way as the
+    target's (ModelRunner._compile: fullgraph, static, token dim unbacked; its own code
+    object, so it is no recompile of the target's) and compiled in the runner's warm-up."""
+
+    compilable = True                           # an MTP head (extra hidden input) runs eager
 
     def __init__(self, runner, model, offset: int):
         self.runner, self.model, self.offset = runner, model, offset
+        self.lm = model                         # whose compute_logits / greedy_head give the drafts
+        self.compiled = runner.compiled and self.compilable
+        self.forward = runner._compile(model) if self.compiled else model
         self.state_layers = model.state_mixers()
         cfg = runner.kv_config
         # State groups holding a draft layer: saved around the draft's lookahead steps.
@@ -59,6 +67,7 @@ class DraftModel:
         self.last: dict[str, list[int]] = {}    # request id -> its last drafts (reused when nothing new)
         self.q: dict[str, torch.Tensor] = {}    # request id -> [k, V] distributions its last drafts came from
         self.num_forwards = 0                   # draft forwards run (tests, bench)
+        self._verified = None                   # (rows, drafts, num_tokens) of the step's speculating rows
 
     def update_batch(self, so) -> None:
         """Follow the scheduler's delta: a request (re)entering the batch starts at its
@@ -78,8 +87,8 @@ class DraftModel:
         which is returned ([R, V], rows of greedy requests unused) for the rejection sampler."""
         temp = self.runner.batch.temperature[rows]
         if not temp.any():
-            return self.model.greedy_head(h, self.model.compute_logits).cpu().numpy(), None
-        logits = self.model.compute_logits(h)
+            return self.lm.greedy_head(h, self.lm.compute_logits).cpu().numpy(), None
+        logits = self.lm.compute_logits(h)
         t = torch.from_numpy(np.where(temp > 0, temp, 1.0)).to(logits)
         q = torch.softmax(logits / t[:, None], dim=-1)
         tok = logits.argmax(-1)
@@ -133,20 +142,53 @@ class DraftModel:
         ids_t = torch.from_numpy(b.token_ids[req_rows, positions + shift]).to(r.device)
         pos_t = torch.from_numpy(positions).to(r.device)
         extra = () if hidden is None else (hidden,)
-        with set_forward_context(ForwardContext(r.backend, meta[self.offset:], self.state_layers)):
-            hidden = self.model(ids_t, pos_t, r.kv_caches[self.offset:], *extra)
+        hidden = self.run(meta, ids_t, pos_t, *extra)
         self.num_forwards += 1
         return hidden[torch.from_numpy(cu - 1).to(r.device)]
 
+    def run(self, meta: list, ids_t: torch.Tensor, pos_t: torch.Tensor, *extra) -> torch.Tensor:
+        """The draft's forward under its slice of the step's attention plans (`meta`: every
+        layer's, the draft's from `offset` on); a compiled forward gets the token dim unbacked,
+        as the target's in ModelRunner.execute."""
+        r = self.runner
+        if self.compiled:
+            torch._dynamo.decorators.mark_unbacked(ids_t, 0)
+            torch._dynamo.decorators.mark_unbacked(pos_t, 0)
+        with set_forward_context(ForwardContext(r.backend, meta[self.offset:], self.state_layers)):
+            return self.forward(ids_t, pos_t, r.kv_caches[self.offset:], *extra)
+
+    @torch.inference_mode()
     def after_step(self) -> None:
-        """After the step's tokens are sampled (an MTP head's hook; a draft model has none)."""
+        """After verification: a row that accepted every draft commits draft k, which the
+        draft never ran on (its lookahead stops at draft k-1); the scheduler publishes the
+        step's full blocks right after, and a request finishing now never proposes again,
+        so the draft catches those rows up to their computed tokens here, before any block
+        holding them is published (work the next catch-up would otherwise do)."""
+        if self._verified is None:
+            return
+        rows, nd, n = self._verified
+        self._verified = None
+        computed = self.runner.batch.num_tokens[rows].astype(np.int64) - 1
+        gap = np.flatnonzero(computed - n == nd)           # accepted = drafts: the last was never input
+        if not len(gap):
+            return
+        rows, computed = rows[gap], computed[gap]
+        seen = self._seen(rows)
+        self._forward(rows, seen, computed - seen)
+        ids = self.runner.batch.req_ids
+        for row, c in zip(rows.tolist(), computed.tolist()):
+            self.seen[ids[row]] = c
 
     def shadow(self, rows: np.ndarray, num_sched: np.ndarray, computed_before: np.ndarray,
                hidden: torch.Tensor | None = None) -> None:
         """In the target's step (before its checkpoints are saved): the committed tokens of
         the step the draft has not computed yet. A speculating row's drafts are not
         committed (they lie past num_tokens) and are left out."""
-        end = np.minimum(computed_before + num_sched, self.runner.batch.num_tokens[rows])
+        n = self.runner.batch.num_tokens[rows]
+        end = np.minimum(computed_before + num_sched, n)
+        nd = computed_before + num_sched - end             # drafts verified this step per row
+        spec = np.flatnonzero(nd > 0)
+        self._verified = (rows[spec], nd[spec], n[spec].astype(np.int64)) if len(spec) else None
         seen = self._seen(rows)
         lens = end - seen
         todo = lens > 0

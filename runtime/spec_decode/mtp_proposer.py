@@ -16,7 +16,11 @@ bookkeeping and forward this reuses). Per request it has computed positions belo
   its hidden state and draft j as its token (vLLM's chaining); those KV writes lie past the
   committed tokens and are overwritten by the next `after_step`.
 
-Drafts are greedy (a point-mass proposal for the rejection sampler, as a draft model's).
+Drafts are picked as a draft model's (`DraftModel._pick`, from the target's LM head over h'):
+the argmax for greedy requests; for sampled ones a draw from the head's distribution q at the
+request's temperature (its generator when seeded), q going to the rejection sampler. Draft 1
+is drawn only where the MTP has caught up (the last committed position), so a chunked
+prefill's earlier chunks draw nothing from a seeded request's generator.
 """
 from __future__ import annotations
 
@@ -32,10 +36,14 @@ from runtime.spec_decode.draft import DraftModel, DraftProposer
 class MTPModel(DraftModel):
     """The runner's side of an MTP head (module docstring)."""
 
+    compilable = False
+
     def __init__(self, runner, head: MTPHead, offset: int):
         super().__init__(runner, head, offset)
         self._step = None                      # (hidden, rows, num_sched, computed before) of this step
-        self.first: dict[str, tuple[int, int, torch.Tensor]] = {}   # rid -> (num_tokens, draft 1, h')
+        self.lm = head.target[0]               # drafts come from the target's LM head
+        # rid -> (num_tokens, draft 1, h', q of draft 1 or None when greedy)
+        self.first: dict[str, tuple[int, int, torch.Tensor, torch.Tensor | None]] = {}
 
     def update_batch(self, so) -> None:
         super().update_batch(so)
@@ -65,13 +73,16 @@ class MTPModel(DraftModel):
         idx = np.repeat(flat0 - np.cumsum(ln) + ln, ln) + np.arange(int(ln.sum()))
         h_in = hidden[torch.from_numpy(idx).to(hidden.device)]
         out = self._forward(rows[todo], start[todo], ln, h_in, shift=1)
-        tok = self.model.target[0].greedy_head(out, self.model.target[0].compute_logits).cpu().numpy()
         ids = b.req_ids
-        for i, (row, e, num) in enumerate(zip(rows[todo].tolist(), end[todo].tolist(), n[todo].tolist())):
-            rid = ids[row]
-            self.seen[rid] = e
-            if e == num - 1:                            # caught up: this predicts the next token
-                self.first[rid] = (num, int(tok[i]), out[i])
+        for row, e in zip(rows[todo].tolist(), end[todo].tolist()):
+            self.seen[ids[row]] = e
+        up = np.flatnonzero(end[todo] == n[todo] - 1)   # caught up: h' predicts the next token
+        if not len(up):
+            return
+        tok, q = self._pick(out[torch.from_numpy(up).to(out.device)], rows[todo][up])
+        for i, row in enumerate(rows[todo][up].tolist()):
+            self.first[ids[row]] = (int(b.num_tokens[row]), int(tok[i]), out[up[i]],
+                                    None if q is None or b.temperature[row] <= 0 else q[i])
 
     @torch.inference_mode()
     def propose(self, req_ids: list[str], ks: np.ndarray) -> list[list[int]]:
@@ -88,15 +99,28 @@ class MTPModel(DraftModel):
         drafts = np.zeros((len(live), int(ks.max())), dtype=np.int64)
         drafts[:, 0] = [have[i][1] for i in live.tolist()]
         h = torch.stack([have[i][2] for i in live.tolist()])
-        target = self.model.target[0]
+        sampled = b.temperature[rows] > 0
+        qs = None
+        if sampled.any():
+            q0 = next(have[i][3] for i in live.tolist() if have[i][3] is not None)
+            qs = torch.zeros(len(live), drafts.shape[1], q0.shape[-1], device=q0.device)
+            for r, i in enumerate(live.tolist()):
+                if have[i][3] is not None:
+                    qs[r, 0] = have[i][3]
         for j in range(1, drafts.shape[1]):             # draft j+1 at position n-2+j, the batch at once
             act = np.flatnonzero(ks > j)
             b.token_ids[rows[act], n[act] - 1 + j] = drafts[act, j - 1]      # scratch past num_tokens
             h = self._forward(rows[act], n[act] - 2 + j, np.ones(len(act), dtype=np.int64),
                               h[torch.from_numpy(np.searchsorted(np.flatnonzero(ks > j - 1), act))], shift=1)
-            drafts[act, j] = target.greedy_head(h, target.compute_logits).cpu().numpy()
-        for i, d, k in zip(live.tolist(), drafts.tolist(), ks.tolist()):
+            drafts[act, j], qj = self._pick(h, rows[act])
+            if qj is not None:
+                qs[torch.from_numpy(act), j] = qj
+        for r, (i, d, k) in enumerate(zip(live.tolist(), drafts.tolist(), ks.tolist())):
             out[i] = d[:k]
+            if sampled[r]:
+                self.q[req_ids[i]] = qs[r, :k]
+            else:
+                self.q.pop(req_ids[i], None)
         return out
 
 

@@ -111,7 +111,7 @@ class ModelRunner:
                     raise ValueError(f"KV cache groups of dtypes {typed[buf].dtype} and {s.dtype} share "
                                      f"buffer {buf}; one KV dtype per model is supported")
                 item = s.dtype.itemsize
-                pages = typed[buf][:, offset // item: (offset + s.page_size_bytes) // item]
+                pages = typed[buf][:, offset // item: (offset + s.view_bytes()) // item]   # int8: scales follow
                 caches[layer] = pages.view(s.cache_shape(cfg.num_blocks))
         self.kv_buffers = buffers           # the pool's bytes, buffer by buffer (tests, inspection)
         self._copy_spans = [[buffers[buf][:, :used] for buf, used in cfg.group_spans(gid)]
@@ -139,6 +139,8 @@ class ModelRunner:
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
         with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)):
             self.forward(ids_t, pos_t, self.kv_caches)
+        if self.draft is not None and self.draft.compiled:     # a compiled draft compiles now too
+            self.draft.run(layer_meta, ids_t.clone(), pos_t.clone())
         for cache in self.kv_caches:
             cache[0].zero_()
         return time.perf_counter() - start

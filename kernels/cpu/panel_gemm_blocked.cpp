@@ -1,0 +1,166 @@
+// Large-M fp32 GEMM on the same pre-packed weight panels as panel_gemm.cpp: out[M, N] = x[M, K] @ W^T
+// (+ bias), for prefill chunks (hundreds to thousands of rows), where the product is compute-bound.
+//
+// Why a second kernel: panel_linear (panel_gemm.cpp) is built to stream W from DRAM for few rows: it
+// keeps partial sums in a memory scratch tile that every 64-step k block reloads and stores, and
+// broadcasts x from MR separate rows. For a prefill chunk that costs 15-30% against MKL sgemm, and
+// the models sent such products to F.linear, which on AMD CPUs is MKL's AVX2 code (MKL does not run
+// its AVX-512 kernels there). This kernel is laid out for compute instead (GotoBLAS / BLIS order):
+// - x is packed per thread, KC k steps at a time, into row tiles of MR rows: tile t holds, for every k,
+//   the MR values x[MR t .. MR t + MR, k] side by side, so the micro-kernel broadcasts from one
+//   contiguous stream (zero rows past M);
+// - the micro-kernel keeps an MR x 32 block of out in 2 * MR vector registers over the whole KC
+//   block (no scratch round trip), two panel loads and MR broadcast-FMA pairs per k;
+// - for each KC block: for each panel: for each row tile of the thread's chunk: the panel's KC x 32
+//   floats (32 KB) are reused by every row tile from L1/L2, the packed x chunk (RB tiles) stays in L2;
+// - threads split the rows (contiguous ranges of row tiles, at::parallel_for), so each packs only its
+//   own x and no thread waits for another; every thread reads all of W (from the last-level cache).
+// The first KC block writes out (its sum from zero), later ones add to it, the last adds the bias;
+// the last panel's columns past N go through a small stack tile. Each output is one fp32 FMA chain
+// over k in increasing order, then + bias: the same operations as panel_linear, so the two kernels
+// agree bit for bit (a row's result does not depend on how many rows its product has, nor on the
+// 64-row switch between them); against F.linear they agree to fp32 rounding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "panels.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+using namespace zooinfer_panels;
+
+constexpr int MR = 14;          // rows per register tile: 28 accumulators + 2 panel vectors + 1 broadcast
+constexpr int64_t KC = 256;     // k steps per block: 32 KB of panel, reused by every row tile
+constexpr int64_t RB = 16;      // row tiles per packed chunk: 16 * 12 rows * 256 k * 4 B = 192 KB (L2)
+
+// c[MR, 32] (row stride ldc) = (ACCUM ? c : 0) + a_tile[kc, MR] @ panel[kc, 32] (+ add, 32 floats,
+// when not null: the bias, after the last k block); `rows` of the tile's MR are stored (the rest
+// are the zero rows past M).
+template <bool ACCUM>
+inline void micro(const float* __restrict a, const float* __restrict b, int64_t kc, float* __restrict c,
+                  int64_t ldc, const float* __restrict add, int rows) {
+  vf16 c0[MR], c1[MR];
+  if (ACCUM) {
+    for (int i = 0; i < MR; ++i) {
+      if (i < rows) {
+        c0[i] = load(c + i * ldc);
+        c1[i] = load(c + i * ldc + 16);
+      } else {
+        c0[i] = c1[i] = splat(0.f);
+      }
+    }
+  } else {
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = splat(0.f);
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const vf16 b0 = load(b + k * NR), b1 = load(b + k * NR + 16);
+    const float* ak = a + k * MR;
+    for (int i = 0; i < MR; ++i) {
+      const vf16 s = splat(ak[i]);
+      c0[i] += s * b0;
+      c1[i] += s * b1;
+    }
+  }
+  if (add) {
+    const vf16 a0 = load(add), a1 = load(add + 16);
+    for (int i = 0; i < MR; ++i) {
+      c0[i] += a0;
+      c1[i] += a1;
+    }
+  }
+  for (int i = 0; i < MR; ++i) {
+    if (i < rows) {
+      store(c + i * ldc, c0[i]);
+      store(c + i * ldc + 16, c1[i]);
+    }
+  }
+}
+
+// Pack rows [m0, m0 + 12 * tiles) of x, k steps [k0, k0 + kc), as `tiles` row tiles [kc, MR].
+void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t tiles, int64_t k0, int64_t kc,
+               float* dst) {
+  for (int64_t t = 0; t < tiles; ++t) {
+    float* d = dst + t * kc * MR;
+    for (int i = 0; i < MR; ++i) {
+      const int64_t m = m0 + t * MR + i;
+      if (m < M) {
+        const float* src = x + m * ldx + k0;
+        for (int64_t k = 0; k < kc; ++k) d[k * MR + i] = src[k];
+      } else {
+        for (int64_t k = 0; k < kc; ++k) d[k * MR + i] = 0.f;
+      }
+    }
+  }
+}
+
+at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                                const c10::optional<at::Tensor>& bias) {
+  check_inputs("panel_linear_blocked", x, panels, n);
+  const int64_t M = x.size(0), K = x.size(1), np_ = panels.size(0);
+  at::Tensor bc;
+  const float* b = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == n, "panel_linear_blocked: bias must be float32 [",
+                n, "], got ", bc.sizes());
+    b = bc.data_ptr<float>();
+  }
+  at::Tensor out = at::empty({M, n}, x.options());
+  if (M == 0 || n == 0) return out;
+  if (K == 0) return b ? out.copy_(bc.expand({M, n})) : out.zero_();
+  at::Tensor xc = x.stride(1) == 1 && x.stride(0) >= K ? x : x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const int64_t ldx = M > 1 ? xc.stride(0) : K;
+  const float* pp = panels.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // The bias padded to whole panels, so adding it is two plain loads per row.
+  std::vector<float> bias_pad(b ? static_cast<size_t>(np_ * NR) : 0, 0.f);
+  if (b) std::memcpy(bias_pad.data(), b, sizeof(float) * n);
+  const float* add = b ? bias_pad.data() : nullptr;
+  const int64_t tiles = (M + MR - 1) / MR;
+
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> apack(static_cast<size_t>(RB * KC * MR) + 16);
+    float* ap = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(apack.data()) + 63) & ~uintptr_t(63));
+    alignas(64) float tail[MR * NR];
+    for (int64_t c0 = t0; c0 < t1; c0 += RB) {
+      const int64_t ct = std::min(RB, t1 - c0);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        const bool last = k0 + kc == K && b;   // the bias joins after the whole sum, as in panel_linear
+        pack_rows(xp, ldx, M, c0 * MR, ct, k0, kc, ap);
+        for (int64_t p = 0; p < np_; ++p) {
+          const float* panel = pp + (p * K + k0) * NR;
+          const int64_t col = p * NR, w = std::min(NR, n - col);
+          for (int64_t t = 0; t < ct; ++t) {
+            const int64_t m = (c0 + t) * MR;
+            const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+            const float* a = ap + t * kc * MR;
+            float* c = w == NR ? op + m * n + col : tail;   // the last panel's columns past N: the stack tile
+            const int64_t ldc = w == NR ? n : NR;
+            if (w != NR && k0 != 0)
+              for (int i = 0; i < rows; ++i) std::memcpy(tail + i * NR, op + (m + i) * n + col, sizeof(float) * w);
+            if (k0 == 0) micro<false>(a, panel, kc, c, ldc, last ? add + col : nullptr, rows);
+            else micro<true>(a, panel, kc, c, ldc, last ? add + col : nullptr, rows);
+            if (w != NR) {
+              for (int i = 0; i < rows; ++i) std::memcpy(op + (m + i) * n + col, tail + i * NR, sizeof(float) * w);
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
+  m.def("panel_linear_blocked(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
+  m.impl("panel_linear_blocked", c10::DispatchKey::CPU, TORCH_FN(panel_linear_blocked));
+}
