@@ -76,13 +76,16 @@ def _reason(node) -> str:
 # Request fields that only mean something inside vLLM's own deployment machinery: a test that
 # sends one (and gets our 400 for an unknown field) is not applicable, said so in the report.
 # Files that test an endpoint of vLLM's own, not OpenAI's API: reported, not run.
-VLLM_ONLY_FILES = {"decisions/test_decisions_e2e.py": "vLLM's own /v1/decisions endpoint"}
+VLLM_ONLY_FILES = {"decisions/test_decisions_e2e.py": "vLLM's own /v1/decisions endpoint",
+                   "completion/test_tensorizer_entrypoint.py": "vLLM's tensorizer weight format (serialized "
+                                                                "in-process by vLLM's model loader)"}
 INTERNAL_FIELDS = {"kv_transfer_params": "disaggregated prefill (vLLM's KV transfer)"}
 _UNKNOWN_FIELD = re.compile(r"unrecognized request argument supplied: (\w+)")
 _IMPORT = re.compile(r"No module named '([^']+)'")
 _FIXTURE = re.compile(r"fixture '(\w+)' not found")
 
 
+_NO_HUB = ("LocalEntryNotFoundError", "Invalid repository ID or local directory")
 _VLLM_IMPORT = re.compile(r"^\s*(?:from|import) (vllm\.(?!tokenizers\b)[\w.]+)", re.M)
 
 
@@ -90,7 +93,9 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
     """One file's results from pytest's junit XML (collection errors included). A file that
     fails to collect and imports vLLM modules (its `source`) is not applicable for that."""
     res = FileResult(rel)
-    internal = _VLLM_IMPORT.search(source)
+    mode = xml_path.with_name(xml_path.name + ".vllm")
+    real = mode.exists() and mode.read_text() == "real"     # vLLM importable: no import is "internal"
+    internal = None if real else _VLLM_IMPORT.search(source)
     if not xml_path.exists():
         res.not_applicable = "no results (pytest crashed)"
         return res
@@ -103,14 +108,19 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
             missing = _IMPORT.search(problem.get("message", "") + (problem.text or ""))
             if not case.get("classname") or problem.get("message") == "collection failure":
                 top = missing.group(1).split(".")[0] if missing else None
-                res.not_applicable = (f"imports {internal.group(1)} (vLLM internals)" if internal else
-                                      f"imports {missing.group(1)} (vLLM internals)" if top == "vllm" else
+                offline = "LocalEntryNotFoundError" in (problem.text or "")
+                res.not_applicable = ("downloads the test model's files from the HF hub at import (no hub here)"
+                                      if offline else
+                                      f"imports {internal.group(1)} (vLLM internals)" if internal else
+                                      f"imports {missing.group(1)} (vLLM internals)" if top == "vllm" and not real else
                                       f"needs {missing.group(1)}" if missing else f"collection error: {reason}")
             elif _FIXTURE.search(problem.text or ""):
                 fixture = _FIXTURE.search(problem.text).group(1)
                 res.skipped.append((name, f"not applicable: vLLM's test fixture {fixture!r} (its conftest imports vLLM)"))
             elif missing and missing.group(1).startswith("vllm."):   # imported inside the test
                 res.skipped.append((name, f"not applicable: imports {missing.group(1)} (vLLM internals)"))
+            elif any(m in (problem.text or "") for m in _NO_HUB):    # loads the test's model files itself
+                res.skipped.append((name, "not applicable: loads the test model's files from the HF hub (no hub here)"))
             elif "gpt_oss" in reason:        # the suite's own guard: these need gpt-oss's harmony stack
                 res.skipped.append((name, "not applicable: gpt-oss harmony format (needs the gpt_oss package and model)"))
             elif (m := _UNKNOWN_FIELD.search(reason)) and m.group(1) in INTERNAL_FIELDS:
@@ -122,6 +132,14 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
         else:
             res.passed.append(name)
     return res
+
+
+@functools.lru_cache
+def length_cap(spec: str, cap: int = 2048) -> int:
+    """The servers' max_model_len: at most `cap` (a test without max_tokens generates up to
+    it, on a shared CPU) and never past the spec's own."""
+    from models import resolve_spec
+    return min(cap, resolve_spec(spec).max_model_len)
 
 
 @functools.lru_cache
@@ -146,11 +164,14 @@ def run_file(python: Path, checkout: Path, test: Path, spec: str, out_dir: Path,
     xml.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{checkout}{os.pathsep}{ROOT / 'bench'}", "ZOOINFER_CONFORMANCE_REPO": str(ROOT),
            "ZOOINFER_CONFORMANCE_PYTHON": sys.executable, "ZOOINFER_CONFORMANCE_SPEC": spec,
-           "ZOOINFER_CONFORMANCE_TOKENIZER": tokenizer_dir(spec)}
-    cmd = [str(python), "-m", "pytest", rel, "-p", "conformance_plugin", "--confcutdir", str(checkout / SUITE),
+           "ZOOINFER_CONFORMANCE_TOKENIZER": tokenizer_dir(spec),
+           "ZOOINFER_CONFORMANCE_MAX_MODEL_LEN": str(length_cap(spec)),
+           "ZOOINFER_CONFORMANCE_SPEC_MAX_LEN": str(length_cap(spec, 1 << 30))}
+    cmd = [str(python), "-m", "pytest", rel, "-p", "conformance_plugin", "--confcutdir", str(checkout / SUITE.parent),
            "-p", "no:cacheprovider", "-q", "-o", "asyncio_mode=auto", f"--junitxml={xml}"]
-    try:
-        subprocess.run(cmd, cwd=checkout, env=env, timeout=timeout, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:     # pytest's and the server's output, beside the XML, for reading a failure
+        with open(xml.with_suffix(".log"), "w") as log:
+            subprocess.run(cmd, cwd=checkout, env=env, timeout=timeout, stdout=log, stderr=subprocess.STDOUT)
     except subprocess.TimeoutExpired:
         res = FileResult(rel)
         res.failed.append(("<file>", f"timed out after {timeout} s"))

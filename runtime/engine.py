@@ -211,7 +211,8 @@ class Engine:
             raise ParamError("prompt is empty", "prompt")
         vocab = self.spec.vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
-            raise ParamError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}", "prompt")
+            raise ParamError(f"prompt token ids must be in [0, {vocab}) (out of vocabulary: got "
+                             f"{min(ids)}..{max(ids)})", "prompt")
         if len(ids) >= self.max_model_len:
             raise ParamError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
                              f"(room for at least one generated token is needed)", "prompt")

@@ -106,6 +106,21 @@ class RequestIdHeader:
         await self.app(scope, receive, send_with_id)
 
 
+class RootPath:
+    """ASGI middleware for `--root-path` (a proxy mounts the server under a prefix, vLLM's
+    flag): a path under the prefix is served as the path without it, and the plain path
+    still works, as vLLM's server does."""
+
+    def __init__(self, app, root_path: str):
+        self.app, self.root = app, "/" + root_path.strip("/")
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == self.root or path.startswith(self.root + "/"):
+            scope = {**scope, "path": path[len(self.root):] or "/", "root_path": scope.get("root_path", "") + self.root}
+        await self.app(scope, receive, send)
+
+
 class SafeJSONResponse(JSONResponse):
     """JSON with non-ASCII escaped: an error that quotes a client's lone surrogate (or any
     text) still encodes, where starlette's UTF-8 rendering would raise."""

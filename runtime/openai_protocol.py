@@ -34,7 +34,6 @@ def _text_format(v) -> bool:
 # Parameters of OpenAI's and vLLM's APIs that this engine does not honour yet, each with the
 # test for its no-op value. Set to anything else they are refused, never ignored.
 _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
-    "truncate_prompt_tokens": _unset,
     "guided_decoding_backend": _unset, "logits_processors": _unset,
     "spaces_between_special_tokens": _is(True),
 }
@@ -88,8 +87,13 @@ class _Common(_Strict):
     priority: int = 0                   # extension: lower first, with --scheduling-policy priority
     return_tokens_as_token_ids: bool = False   # extension: logprob tokens spelled "token_id:<id>"
     prompt_logprobs: int | None = None  # extension (vLLM): top-k logprobs of every prompt token
+    logprob_token_ids: list[int] | None = None   # extension (vLLM): these ids' logprobs in place of the top-k
     use_beam_search: bool = False       # extension: n beams (runtime/beam_search.py), best first
     length_penalty: float = 1.0         # extension: beam score = cum logprob / len ** length_penalty
+    # vLLM: keep only this many prompt tokens (-1: max_model_len), the last ones by default
+    # ("left" truncation) or the first ones ("right"); OpenAIServer.truncate.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older
     # guided_* spellings; at most one of them (runtime/structured_outputs.py).
     response_format: dict[str, Any] | None = None
@@ -113,6 +117,9 @@ class _Common(_Strict):
             self.stream_options.check_extras()
             if not self.stream:
                 raise ParamError("stream_options: only allowed when stream is true", "stream_options")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < -1:
+            raise ParamError("truncate_prompt_tokens: must be -1 (max_model_len) or a count >= 0",
+                             "truncate_prompt_tokens")
         if self.prompt_logprobs is not None and self.stream:   # vLLM refuses it too
             raise ParamError("prompt_logprobs: not available when stream is true", "prompt_logprobs")
 
@@ -122,7 +129,7 @@ class _Common(_Strict):
         for name in ("top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words",
                      "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar", "prompt_logprobs"):
+                     "guided_grammar", "prompt_logprobs", "logprob_token_ids"):
             if getattr(self, name) not in (None, [], {}, {"type": "text"}):
                 raise ParamError(f"{name}: not supported with use_beam_search", name)
         if self.temperature not in (None, 0):
@@ -146,13 +153,23 @@ class _Common(_Strict):
             top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
             max_tokens=max_tokens, min_tokens=self.min_tokens,
             stop=self.stop or [], stop_token_ids=self.stop_token_ids or [],
-            ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=self.prompt_logprobs_k,
+            ignore_eos=self.ignore_eos, prompt_logprobs=self.prompt_logprobs_k,
+            logprobs=self._explicit_k(logprobs), logprob_token_ids=self.logprob_token_ids,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens,
             presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or [],
             structured_outputs=self._structured())
+
+    def _explicit_k(self, logprobs: int | None) -> int | None:
+        """With logprob_token_ids the returned logprobs are those ids' (and the sampled
+        token's), whatever top-k was asked; logprobs must be on."""
+        if self.logprob_token_ids is None:
+            return logprobs
+        if logprobs is None:
+            raise ParamError("logprob_token_ids: needs logprobs", "logprob_token_ids")
+        return len(self.logprob_token_ids) if isinstance(self.logprob_token_ids, list) else logprobs
 
     @property
     def prompt_logprobs_k(self) -> int | None:
@@ -261,7 +278,8 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    # OpenAI's roles, or any other the chat template renders (vLLM passes custom roles on).
+    role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict] | None = None
@@ -288,6 +306,9 @@ class ChatMessage(_Strict):
         else:
             content = self.content or ""
         check_text(content, f"{where}.content")
+        if not self.role.strip():
+            raise ParamError(f"{where}.role: must not be empty", f"{where}.role")
+        check_text(self.role, f"{where}.role")
         # OpenAI's `developer` role is the system prompt of newer models.
         msg: dict = {"role": "system" if self.role == "developer" else self.role, "content": content}
         for key in ("name", "tool_calls", "tool_call_id"):
@@ -352,3 +373,17 @@ def error_body(message: str, err_type: str = "invalid_request_error", param: str
     """The OpenAI error JSON shape."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
+
+class APIError(Exception):
+    """An HTTP error answered in the OpenAI error shape (`error_body`); `param` names the field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 err_type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.err_type = status, message, param, code, err_type
+
+
+def bad_param(e: ValueError) -> APIError:
+    """A 400 for a refused value; SamplingParams' messages lose their class prefix here."""
+    message = str(e).removeprefix("SamplingParams.")
+    return APIError(400, message, getattr(e, "param", None), "invalid_request")

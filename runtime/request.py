@@ -37,7 +37,7 @@ class Request:
                  "all_token_ids", "num_computed_tokens", "status", "stop_reason", "arrival_time",
                  "num_preemptions", "eos_token_ids", "max_tokens", "logprobs", "cumulative_logprob",
                  "cache_salt", "block_hashes", "external_tokens", "sample_index", "num_cached_tokens",
-                 "priority", "prompt_logprobs", "spec_token_ids", "num_new_tokens")
+                 "priority", "prompt_logprobs", "spec_token_ids", "num_new_tokens", "scheduled_time")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                  eos_token_ids: tuple[int, ...], max_tokens: int, prompt: str | None = None,
@@ -53,6 +53,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.arrival_time = time.monotonic()
+        self.scheduled_time: float | None = None   # first scheduled (runtime/request_metrics.py)
         self.num_preemptions = 0
         self.eos_token_ids = eos_token_ids
         self.max_tokens = max_tokens        # resolved: never past max_model_len

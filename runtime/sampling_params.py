@@ -38,6 +38,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None     # return this many top logprobs per token (+ the sampled one)
     prompt_logprobs: int | None = None   # and per prompt token (runtime/worker/prompt_logprobs.py)
+    # vLLM's logprob_token_ids: these ids' logprobs (with the sampled token's) replace the top
+    # `logprobs`, which must be len(logprob_token_ids) (the sampler's Sampler._gather_logprobs).
+    logprob_token_ids: list[int] | None = None
     # Logit edits before sampling (runtime/worker/logits_processors.py has the exact rules).
     presence_penalty: float = 0.0   # OpenAI: minus this once for each token already output
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the output
@@ -96,6 +99,12 @@ class SamplingParams:
             bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        if self.logprob_token_ids is not None and (
+                not isinstance(self.logprob_token_ids, list) or not 0 < len(self.logprob_token_ids) <= MAX_LOGPROBS
+                or not all(is_int(t) and 0 <= t <= INT64_MAX for t in self.logprob_token_ids)):
+            bad("logprob_token_ids", f"must be 1 to {MAX_LOGPROBS} non-negative token ids")
+        if self.logprob_token_ids is not None and self.logprobs != len(self.logprob_token_ids):
+            bad("logprob_token_ids", "needs logprobs equal to its length")
         if self.prompt_logprobs is not None and (
                 not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
@@ -125,7 +134,7 @@ class SamplingParams:
 
     def validate_for_model(self, vocab_size: int) -> None:
         """The bounds that depend on the model: token ids must be in its vocabulary."""
-        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        for name in ("stop_token_ids", "logit_bias", "allowed_token_ids", "logprob_token_ids"):
             for t in getattr(self, name) or ():
                 if t >= vocab_size:
                     why = f"token id {t} is not in the vocabulary (size {vocab_size})"

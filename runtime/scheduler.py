@@ -15,6 +15,7 @@ scheduled this step is the one preempted.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -319,6 +320,8 @@ class Scheduler:
             self.held_waiting.discard(req.request_id)
             self.no_hit.discard(req.request_id)
             req.status = RequestStatus.RUNNING
+            if req.scheduled_time is None:
+                req.scheduled_time = time.monotonic()
             self.running.append(req)
             out.new_reqs.append(NewRequestData(
                 req_id=req.request_id, token_ids=list(req.all_token_ids),

@@ -22,9 +22,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runtime import responses_api, tokenize_api
+from runtime import responses_api, tokenize_api, vllm_routes
 from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, SafeJSONResponse
+from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, RootPath, SafeJSONResponse
 from runtime.limits import short_repr
 from runtime.metrics import ServerMetrics
 from runtime.openai_protocol import error_body
@@ -35,8 +35,11 @@ log = logging.getLogger("zooinfer")
 
 def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | None = None,
               api_key: str | None = None, max_body_bytes: int = 4 << 20, body_timeout: float = 30.0,
-              tool_parser: str | None = None) -> FastAPI:
-    server = OpenAIServer(engine, model_name, api_key, tool_parser)
+              tool_parser: str | None = None, root_path: str | None = None,
+              force_include_usage: bool = False, return_tokens_as_token_ids: bool = False,
+              per_request_metrics: bool = False) -> FastAPI:
+    server = OpenAIServer(engine, model_name, api_key, tool_parser, force_include_usage, return_tokens_as_token_ids,
+                          per_request_metrics)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -75,6 +78,7 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     app.get("/v1/models")(server.models)
     tokenize_api.add_routes(app, server, APIError)
     responses_api.add_routes(app, server, bad_param)
+    vllm_routes.add_routes(app, server)
 
     @app.get("/health")
     async def health():
@@ -92,6 +96,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         app.add_middleware(ApiKeyAuth, api_key=api_key)
     app.add_middleware(BodyGuard, max_bytes=max_body_bytes, timeout=body_timeout)
     app.add_middleware(RequestIdHeader)
+    if root_path and root_path.strip("/"):
+        app.add_middleware(RootPath, root_path=root_path)
     return app
 
 
@@ -144,6 +150,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="store each new KV block in the disk / remote tiers at once (shared prefixes)")
     ap.add_argument("--kv-tier-salt", default="", help="part of the KV tiers' fingerprint")
     ap.add_argument("--preemption-mode", default="auto", choices=["auto", "recompute", "swap"])
+    ap.add_argument("--root-path", default=None, help="also serve every route under this prefix (behind a proxy)")
+    ap.add_argument("--enable-force-include-usage", action="store_true",
+                    help="streams carry usage on every chunk and at the end, asked for or not (vLLM's flag)")
+    ap.add_argument("--enable-per-request-metrics", action="store_true",
+                    help="timings (queue, TTFT, ITL, tokens/s) in each response's `metrics` (vLLM's flag)")
+    ap.add_argument("--return-tokens-as-token-ids", action="store_true",
+                    help="logprob tokens spelled token_id:<id> for every request (vLLM's flag)")
     ap.add_argument("--swap-min-tokens", type=int, default=256, help="auto: swap requests with this many computed tokens")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -197,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     async_engine.start()
     try:
         app = build_app(async_engine, name, metrics, args.api_key, args.max_body_bytes, args.body_timeout,
-                        args.tool_call_parser)
+                        args.tool_call_parser, args.root_path, args.enable_force_include_usage,
+                        args.return_tokens_as_token_ids, args.enable_per_request_metrics)
     except ValueError as e:          # an unknown tool parser (flag or spec)
         print(f"error: {e}", file=sys.stderr)
         async_engine.shutdown()

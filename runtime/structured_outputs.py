@@ -52,6 +52,11 @@ class StructuredOutputsParams:
         if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
                                         or not all(isinstance(c, str) for c in self.choice)):
             raise ParamError(f"{field}: choice must be a non-empty list of strings", field)
+        for name in ("regex", "grammar"):       # e.g. {"regex": {1: "a"}} is a 400, not a crash
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ParamError(f"{field}: {name} must be a string", field)
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ParamError(f"{field}: json must be a JSON schema (an object or its text)", field)
         if len(self.key()[1]) > MAX_SPEC_CHARS:
             raise ParamError(f"{field}: longer than {MAX_SPEC_CHARS} characters", field)
 

@@ -1,7 +1,9 @@
 """bench.conformance on a fake vLLM checkout: the fixture substitution starts our server under
 the test's model name, vLLM's get_tokenizer gives the served tokenizer, a flag we cannot honour
-skips the test naming it, a file importing vLLM internals is not applicable, and the junit
-results parse into the right pass / fail / skip lists with the failure's reason."""
+skips the test naming it, a LoRA server runs without its adapters and only the tests naming
+one are skipped, a test reaching no server is skipped as in-process, a file importing vLLM
+internals (without vLLM installed) is not applicable, and the junit results parse into the
+right pass / fail / skip lists with the failure's reason."""
 from __future__ import annotations
 
 import sys
@@ -38,8 +40,23 @@ def test_wrong(server):
     assert text == "never this"
 
 
-def test_lora():
-    RemoteOpenAIServer(MODEL, ["--enable-lora"])
+def test_reasoning():
+    RemoteOpenAIServer(MODEL, ["--reasoning-parser", "qwen3"])
+
+
+@pytest.mark.parametrize("model", [MODEL, "my-lora"])
+def test_lora(lora_server, model):
+    assert lora_server.get_client().models.list().data[0].id == MODEL
+
+
+@pytest.fixture(scope="module")
+def lora_server():
+    with RemoteOpenAIServer(MODEL, ["--enable-lora", "--lora-modules", "my-lora=/x", "--max-lora-rank", "8"]) as s:
+        yield s
+
+
+def test_in_process():
+    assert False, "never run: it reaches no server"
 '''
 INTERNAL = '''
 from vllm.config import ModelConfig
@@ -64,10 +81,14 @@ def test_runner_on_a_fake_checkout(tmp_path):
     assert [p.name for p in server_files(checkout)] == ["test_fake.py", "test_internal.py"]
     spec = str(tiny_chat_spec(tmp_path))
     fake = run_file(sys.executable, checkout, suite / "test_fake.py", spec, tmp_path, timeout=600)
-    assert sorted(fake.passed) == ["test_models", "test_tokens"] and fake.not_applicable is None
+    assert sorted(fake.passed) == ["test_lora[org/fake-model]", "test_models", "test_tokens"]
+    assert fake.not_applicable is None
     assert [name for name, _ in fake.failed] == ["test_wrong"] and "never this" in fake.failed[0][1]
-    assert fake.skipped == [("test_lora", "not applicable: LoRA (--enable-lora)")]
+    assert sorted(fake.skipped) == [
+        ("test_in_process", "not applicable: in-process test of vLLM's Python objects (no server)"),
+        ("test_lora[my-lora]", "not applicable: LoRA adapter 'my-lora'"),
+        ("test_reasoning", "not applicable: reasoning models (vLLM reasoning parsers) (--reasoning-parser)")]
     internal = run_file(sys.executable, checkout, suite / "test_internal.py", spec, tmp_path, timeout=600)
     assert internal.not_applicable == "imports vllm.config (vLLM internals)" and not internal.passed
     text = report([fake, internal])
-    assert "applicable 3: passed 2, failed 1 (66.7% pass); skipped 1; files not applicable 1" in text
+    assert "applicable 4: passed 3, failed 1 (75.0% pass); skipped 3; files not applicable 1" in text

@@ -42,6 +42,7 @@ class InputBatch:
         self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * max_num_reqs
         self.allowed_token_ids: list[np.ndarray | None] = [None] * max_num_reqs
         self.bad_words: list[list[list[int]] | None] = [None] * max_num_reqs
+        self.logprob_ids: list[list[int] | None] = [None] * max_num_reqs   # explicit logprob ids
         self.external = np.zeros(max_num_reqs, dtype=bool)   # samples reported, not appended
         # Keyed by request id, not row: a preempted request keeps its generator and resumes
         # the same random stream when it comes back.
@@ -82,6 +83,7 @@ class InputBatch:
         self.allowed_token_ids[row] = None if p.allowed_token_ids is None else \
             np.asarray(sorted(set(p.allowed_token_ids)), dtype=np.int64)
         self.bad_words[row] = p.bad_words_token_ids or None
+        self.logprob_ids[row] = p.logprob_token_ids
         if p.seed is not None and new.req_id not in self.generators:
             self.generators[new.req_id] = torch.Generator().manual_seed(p.seed)
         return row
@@ -131,4 +133,5 @@ class InputBatch:
         self.logit_bias[dst] = self.logit_bias[src]
         self.allowed_token_ids[dst] = self.allowed_token_ids[src]
         self.bad_words[dst] = self.bad_words[src]
+        self.logprob_ids[dst] = self.logprob_ids[src]
         self.block_table.move_row(src, dst)

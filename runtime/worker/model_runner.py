@@ -317,6 +317,8 @@ class ModelRunner:
                                 min_p=None, generators={}, all_greedy=all_greedy, banned=banned,
                                 max_logprobs=None if k < 0 else k,
                                 edits=LogitsEdits.build(b, rows, self.model.spec.vocab_size, self.device))
+        if k > 0:
+            meta.logprob_ids = self._explicit_logprob_ids(rows, k)
         if grammar_bitmask is not None:       # structured outputs: bitmask row i is request ids[i]'s
             ids, mask = grammar_bitmask
             pos = {b.req_ids[r]: i for i, r in enumerate(rows.tolist())}
@@ -331,6 +333,16 @@ class ModelRunner:
             meta.min_p = torch.from_numpy(min_p).to(self.device) if min_p.any() else None
             meta.generators = b.row_generators(rows)
         return meta
+
+    def _explicit_logprob_ids(self, rows: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rows with logprob_token_ids and their ids padded to k (by repeating the first:
+        a row reports only its first len(ids) columns), or None."""
+        lists = self.batch.logprob_ids
+        pairs = [(i, lists[r]) for i, r in enumerate(rows.tolist()) if lists[r] is not None]
+        if not pairs:
+            return None
+        ids = torch.tensor([ids + [ids[0]] * (k - len(ids)) for _, ids in pairs], dtype=torch.int64)
+        return torch.tensor([i for i, _ in pairs]).to(self.device), ids.to(self.device)
 
     def _logprobs(self, out, req_ids: list[str], rows: np.ndarray) -> dict[str, dict] | None:
         if out.logprobs is None:

@@ -30,6 +30,8 @@ class SamplingMetadata:
     edits: LogitsEdits | None = None   # penalties, logit_bias, allowed_token_ids (None: no row has any)
     grammar: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows, int32 bitmask rows): structured outputs
     max_logprobs: int | None = None    # top-k logprobs to return (None: none requested)
+    # (rows, ids [m, max_logprobs]): these rows report these ids' logprobs instead of their top-k
+    logprob_ids: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -120,7 +122,7 @@ class Sampler:
             sampled = self._sample(logits, meta)
         out = SamplerOutput(token_ids=sampled)
         if meta.max_logprobs is not None:
-            self._gather_logprobs(raw, sampled, meta.max_logprobs, out)
+            self._gather_logprobs(raw, sampled, meta.max_logprobs, out, meta.logprob_ids)
         return out
 
     def prepare(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,12 +166,17 @@ class Sampler:
         return probs
 
     @staticmethod
-    def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput) -> None:
+    def _gather_logprobs(logits: torch.Tensor, sampled: torch.Tensor, k: int, out: SamplerOutput,
+                         explicit: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         logprobs = logits.log_softmax(dim=-1)
         chosen = logprobs.gather(-1, sampled[:, None])
         out.sampled_ranks = (logprobs > chosen).sum(dim=-1) + 1
         if k > 0:
             top_vals, top_ids = logprobs.topk(k, dim=-1)
+            if explicit is not None:      # logprob_token_ids rows: their ids in place of the top-k
+                rows, ids = explicit
+                top_ids[rows] = ids
+                top_vals = logprobs.gather(-1, top_ids)
             out.logprobs = torch.cat([chosen, top_vals], dim=-1)
             out.logprob_token_ids = torch.cat([sampled[:, None], top_ids], dim=-1)
         else:
