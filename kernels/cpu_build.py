@@ -13,9 +13,17 @@ plain `-O3`; if that fails too it warns once and `available()` stays False, so c
 back to their torch path. `ZOOINFER_CPU_KERNELS=0` forces the fallback without building.
 The sources (headers included) ship as package data, so an installed wheel builds from
 its own copy.
+
+Builds are serialised across processes by an `flock` on `<build dir>.flock` (`build_lock`),
+which the OS releases when its holder dies. torch's own baton (a `lock` file in the build
+directory) is not: a process killed mid-build leaves it behind, and every later process
+would wait on it forever, then load whatever library the dead build left. Under our lock no
+other build can be running, so a baton found there is stale and is removed.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import platform
@@ -56,6 +64,18 @@ def _build_root() -> Path:
     return Path(root) / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}-{_cpu_key()}"
 
 
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold the cross-process build lock for `build_dir`; clear a stale torch baton under it."""
+    with open(f"{build_dir}.flock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)      # blocks while another process builds; freed if it dies
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _build() -> None:
     from torch.utils import cpp_extension
     try:   # the `ninja` wheel puts its binary next to the venv's python, which may not be on PATH
@@ -72,11 +92,12 @@ def _build() -> None:
         build_dir = _build_root() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
-            cpp_extension.load(name=name, sources=sorted(str(f) for f in SOURCES.glob("*.cpp")),
-                               build_directory=str(build_dir),
-                               extra_cflags=["-O3", "-fopenmp", *arch, f"-DZOOINFER_HEADERS={headers}"],
-                               extra_ldflags=["-fopenmp"],
-                               is_python_module=False, verbose=False)
+            with build_lock(build_dir):
+                cpp_extension.load(name=name, sources=sorted(str(f) for f in SOURCES.glob("*.cpp")),
+                                   build_directory=str(build_dir),
+                                   extra_cflags=["-O3", "-fopenmp", *arch, f"-DZOOINFER_HEADERS={headers}"],
+                                   extra_ldflags=["-fopenmp"],
+                                   is_python_module=False, verbose=False)
             _state["library"] = str(build_dir / f"{name}.so")
             return
         except Exception as e:   # noqa: BLE001 - any build failure means "use the fallback"
