@@ -15,6 +15,16 @@ torch.set_num_threads(1)
 TINY_VOCAB = 512
 
 
+@pytest.fixture
+def one_thread():
+    """The test runs on one thread, and the thread count it found is restored afterwards (for
+    kernel tests that set their own counts: one leaking 2 threads would slow every test after)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _tiny_config(family: str):
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen3Config
     # initializer_range 0.2: with the default 0.02 tiny models collapse to one repeated

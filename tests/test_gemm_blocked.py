@@ -14,14 +14,7 @@ from models import prepack
 from models.prepack import PackedLinear
 
 needs_kernels = pytest.mark.skipif(not cpu_build.available(), reason="C++ CPU kernels unavailable (no compiler or build failed)")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one thread, restored after
 
 
 @needs_kernels

@@ -43,6 +43,23 @@ def chat(llm: LLM, num_convs: int = 4, turns: int = 3, system: int = 40) -> list
 TIGHT = dict(max_model_len=160, max_num_batched_tokens=32, max_num_seqs=4)
 
 
+def assert_tiers_exercised(llm, preempted: bool = True) -> dict:
+    """The tight-pool chat really went through the tiers: pages were evicted, written back and
+    hit in the host tier, swaps balance (each swapped-out request came back or fell back to
+    recompute), and every block and swap reservation was given back. `preempted`: the pool
+    also forced preemption and at least one swap-in. Returns the stats for further checks."""
+    st = llm.kv_cache_stats()
+    t = st["kv_tiers"]
+    assert st["evictions"] > 0, "the pool was meant to force eviction"
+    if preempted:
+        assert st["num_preemptions"] > 0 and t["swapped_in"] > 0, "the pool was meant to force preemption by swap"
+    assert t["written_back_blocks"] > 0 and t["tier_hit_tokens"] > 0 and t["tiers"]["host"]["hits"] > 0
+    assert t["swapped_in"] + t["swap_fallbacks"] == t["swapped_out"]
+    assert_all_free(llm)
+    assert llm.engine.tiers.host.reserved == 0     # swap space all given back
+    return st
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "mistral", "bamba", "granite", "qwen3_next"])
 def test_greedy_equal_with_tiers_on_and_off(tiny_hf, tmp_path, family):
     """Gemma 3 and Mistral have sliding windows (20 tokens), Bamba and Granite-4.0-H Mamba2,
@@ -53,13 +70,8 @@ def test_greedy_equal_with_tiers_on_and_off(tiny_hf, tmp_path, family):
     on = LLM(path, **TIGHT, num_kv_blocks=blocks, kv_host_tier_bytes=1 << 24, kv_disk_tier_dir=str(tmp_path),
              preemption_mode="auto", swap_min_tokens=24)
     assert chat(on) == want
-    st = on.kv_cache_stats()
+    st = assert_tiers_exercised(on)
     t = st["kv_tiers"]
-    assert st["evictions"] > 0 and st["num_preemptions"] > 0, "the pool was meant to force eviction and preemption"
-    assert t["written_back_blocks"] > 0 and t["tier_hit_tokens"] > 0 and t["tiers"]["host"]["hits"] > 0
-    assert t["swapped_in"] > 0 and t["swapped_in"] + t["swap_fallbacks"] == t["swapped_out"]
-    assert_all_free(on)
-    assert on.engine.tiers.host.reserved == 0     # swap space all given back
     metrics = ServerMetrics("m")
     metrics.update_engine_state(st)
     text = metrics.render().decode()

@@ -12,17 +12,10 @@ from kernels import cpu_build, gemm
 from models import prepack
 from models.prepack import PackedLinear, prepack_linears
 
-pytestmark = pytest.mark.skipif(not prepack.supported(), reason="neither the C++ kernels nor MKL available")
+pytestmark = [pytest.mark.skipif(not prepack.supported(), reason="neither the C++ kernels nor MKL available"),
+              pytest.mark.usefixtures("one_thread")]   # conftest: one thread, restored after
 needs_kernels = pytest.mark.skipif(not cpu_build.available(), reason="C++ CPU kernels unavailable")
 KINDS = [k for k, ok in (("panel", cpu_build.available()), ("mkl", prepack.mkl_supported())) if ok]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @needs_kernels
