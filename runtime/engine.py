@@ -103,13 +103,12 @@ class Engine:
         # past the logits (a small variant inheriting its full model's eos, e.g. bamba-small).
         self.eos_token_ids = tuple(t for t in eos if 0 <= t < spec.vocab_size)
         phase("tokenizer")
-        layer_specs = self.model.kv_cache_specs(config.block_size, dtype)
         draft = getattr(self.spec_decoder, "proposer", None)
-        if isinstance(draft, DraftProposer):      # the draft's layers join the pool after the target's
-            draft.load(dtype, config, self.model)
-            layer_specs = draft.join_kv_specs(layer_specs, config.block_size, dtype)
         try:
             layer_specs = self.model.kv_cache_specs(config.block_size, kv_dtype)
+            if isinstance(draft, DraftProposer):      # the draft's layers join the pool after the target's
+                draft.load(dtype, config, self.model)
+                layer_specs = draft.join_kv_specs(layer_specs, config.block_size, kv_dtype)
             check_kv_specs(layer_specs, kv_dtype)
             kv_config = make_kv_cache_config(
                 layer_specs, config.block_size,
@@ -117,7 +116,7 @@ class Engine:
                 min_tokens=self.max_model_len, max_num_seqs=config.max_num_seqs,
                 chunk_tokens=config.max_num_batched_tokens)
         except ValueError:
-            self.executor.shutdown()        # a pool too small: no worker process outlives the failed start
+            self.executor.shutdown()        # a pool too small, a bad draft: no worker process outlives the failed start
             raise
         self.kv_manager = KVCacheManager(kv_config, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_manager, policy=config.scheduling_policy, max_num_seqs=config.max_num_seqs,
