@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from runtime.limits import ParamError, check_text
+from runtime.limits import INT64_MAX, ParamError, check_text
 from runtime.beam_search import BeamSearchParams
 from runtime.sampling_params import SamplingParams
 from runtime.structured_outputs import StructuredOutputsParams
@@ -39,7 +39,7 @@ _NOT_YET_COMMON: dict[str, Callable[[Any], bool]] = {
 }
 _NOT_YET_COMPLETION = {**_NOT_YET_COMMON, "suffix": _unset}
 _NOT_YET_CHAT = {
-    **_NOT_YET_COMMON, "echo": _unset, "functions": _unset, "function_call": _is("none", "auto"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
+    **_NOT_YET_COMMON, "functions": _unset, "function_call": _is("none", "auto"), "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
     "prediction": _unset, "web_search_options": _unset, "reasoning_effort": _unset, "verbosity": _unset,
     "store": _unset, "service_tier": _is("auto", "default"),
 }
@@ -73,7 +73,7 @@ class _Common(_Strict):
     top_k: int | None = None            # extension (vLLM)
     min_p: float | None = None          # extension
     min_tokens: int = 0                 # extension
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX)   # int64, as vLLM's (then >= 0: limits)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None   # extension
     ignore_eos: bool = False            # extension
@@ -236,12 +236,12 @@ class _Common(_Strict):
         """JSON object keys are strings: they must spell token ids."""
         if not self.logit_bias:
             return None
-        out = {}
-        for key, bias in self.logit_bias.items():
-            if not key.isascii() or not key.isdigit() or len(key) > 19:
-                raise ParamError(f"logit_bias: key {key[:32]!r} is not a token id", "logit_bias")
-            out[int(key)] = bias
-        return out
+        bad = [key for key in self.logit_bias if not key.isascii() or not key.isdigit() or len(key) > 19]
+        if bad:     # every bad key named (vLLM's), at most a few
+            names = ", ".join(repr(k[:32]) for k in bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+            raise ParamError(f"logit_bias: {'keys' if len(bad) > 1 else 'key'} {names} "
+                             f"{'are not token ids' if len(bad) > 1 else 'is not a token id'}", "logit_bias")
+        return {int(key): bias for key, bias in self.logit_bias.items()}
 
 
 class CompletionRequest(_Common):
@@ -277,8 +277,11 @@ class ContentPart(BaseModel):
     text: Any = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(BaseModel):
     # OpenAI's roles, or any other the chat template renders (vLLM passes custom roles on).
+    # Keys beyond these reach the template as sent (vLLM's rule: `reasoning_content`, custom
+    # keys a template reads); an unknown top-level request field is still a 400 (_Strict).
+    model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -288,7 +291,6 @@ class ChatMessage(_Strict):
     def for_template(self, where: str) -> dict:
         """The message as the chat template takes it; text parts joined. Any other part is a
         400 (a text-only model would answer as if the image or audio were not there)."""
-        self.check_extras()
         if isinstance(self.content, list):
             texts = []
             for j, part in enumerate(self.content):
@@ -311,8 +313,9 @@ class ChatMessage(_Strict):
         check_text(self.role, f"{where}.role")
         # OpenAI's `developer` role is the system prompt of newer models.
         msg: dict = {"role": "system" if self.role == "developer" else self.role, "content": content}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            value = getattr(self, key)
+        extras = {k: v for k, v in (self.model_extra or {}).items() if k not in msg}
+        for key, value in {"name": self.name, "tool_calls": self.tool_calls, "tool_call_id": self.tool_call_id,
+                           **extras}.items():
             if value is not None:
                 if isinstance(value, str):
                     check_text(value, f"{where}.{key}")
@@ -340,6 +343,9 @@ class ChatCompletionRequest(_Common):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM: with continue_final_message, the reply starts with the last (assistant) message's
+    # content, so the client gets the whole message (OpenAIServer.chat_echo).
+    echo: bool = False
 
     def check(self) -> None:
         super().check()

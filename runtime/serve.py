@@ -59,6 +59,8 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
         where = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
         where = None if where is None else short_repr(where, 80).strip("'\"")
         msg = f"{where}: {first.get('msg', 'invalid request')}" if where else first.get("msg", "invalid request")
+        if first.get("type"):       # pydantic's error type, as vLLM's message carries it (greater_than_equal, ...)
+            msg += f" [type={first['type']}]"
         return SafeJSONResponse(error_body(msg, param=where, code="invalid_value"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
@@ -157,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="timings (queue, TTFT, ITL, tokens/s) in each response's `metrics` (vLLM's flag)")
     ap.add_argument("--return-tokens-as-token-ids", action="store_true",
                     help="logprob tokens spelled token_id:<id> for every request (vLLM's flag)")
+    ap.add_argument("--max-logprobs", type=int, default=20,
+                    help="most logprobs per token a request may ask for; -1 in a request (the whole "
+                         "vocabulary) needs at least the vocabulary size (vLLM's flag)")
     ap.add_argument("--swap-min-tokens", type=int, default=256, help="auto: swap requests with this many computed tokens")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                               kv_remote_tier_url=args.kv_remote_tier_url, kv_tier_salt=args.kv_tier_salt,
                               kv_tier_write_through=args.kv_tier_write_through,
                               preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens,
+                              max_logprobs=args.max_logprobs,
                               speculative=args.speculative_config, quantization=args.quantization)
         engine = Engine(args.model, config)
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
