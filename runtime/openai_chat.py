@@ -17,6 +17,7 @@ from runtime.openai_protocol import APIError, ChatCompletionRequest, bad_param
 from runtime.openai_streaming import continuous_usage, sse
 from runtime.outputs import RequestOutput
 from runtime.tool_stream import ToolCallStream
+from runtime.vocab_logprobs import gc_paused
 
 
 class ChatRoutes:
@@ -27,7 +28,10 @@ class ChatRoutes:
             prompt, _, mode = self.render_chat(body)
             if mode not in (None, "none"):
                 raise APIError(400, "tools: not supported with use_beam_search", "tools")
-            return await self.beam(body, [prompt], body.output_limit, "chat.completion", raw)
+            result = await self.beam(body, [prompt], body.output_limit, "chat.completion", raw)
+            for c in result["choices"]:
+                c["message"]["content"] = self.chat_echo(body) + c["message"]["content"]
+            return result
         base, started, mode = await self.start_chat(body)
         rid, created = f"chatcmpl-{base}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
@@ -36,13 +40,15 @@ class ChatRoutes:
             return StreamingResponse(self._stream_chat(body, started, head, mode), media_type="text/event-stream")
         times = self.token_times()
         finals = await self.collect(raw, started, body.n, times)
-        choices = [{"index": i, **self._message(out, mode, "message"),
-                    "logprobs": self.chat_logprobs(out, body), **self._token_ids(body, out, prompt=False)}
-                   for i, out in sorted(finals.items())]
-        extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids) if body.return_token_ids else None}
-        extra["prompt_logprobs"] = self.prompt_logprobs_json(finals[0]) if body.prompt_logprobs is not None else None
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra,
-                **self.metrics_field(started, times, finals.values())}
+        echo = self.chat_echo(body)
+        with gc_paused(self.wide(body)):        # whole-vocabulary rows: runtime/vocab_logprobs.py
+            choices = [{"index": i, **self._message(out, mode, "message", echo),
+                        "logprobs": self.chat_logprobs(out, body), **self._token_ids(body, out, prompt=False)}
+                       for i, out in sorted(finals.items())]
+            extra = {"prompt_token_ids": list(started[0][1].prompt_token_ids) if body.return_token_ids else None}
+            extra["prompt_logprobs"] = self.prompt_logprobs_json(finals[0]) if body.prompt_logprobs is not None else None
+        return self.answer({**head, "choices": choices, "usage": self.usage(started, finals.values()), **extra,
+                            **self.metrics_field(started, times, finals.values())}, body)
 
     async def start_chat(self, body: ChatCompletionRequest):
         """Check a chat request, render it through the template (tools included) and enqueue
@@ -86,10 +92,21 @@ class ChatRoutes:
             return (None, calls) if calls else (text, [])   # cut off before complete: what it wrote
         return text, []
 
-    def _message(self, out: RequestOutput, mode: str | None, key: str) -> dict:
+    @staticmethod
+    def chat_echo(body: ChatCompletionRequest) -> str:
+        """vLLM's chat `echo`: the text a reply starts with, the last message's content when that
+        message is the assistant's (continue_final_message continues it); else nothing."""
+        if not body.echo:
+            return ""
+        last = body.messages[-1].for_template("messages[-1]")     # checked by render_chat already
+        return last["content"] if last["role"] == "assistant" else ""
+
+    def _message(self, out: RequestOutput, mode: str | None, key: str, echo: str = "") -> dict:
         """A choice's message (or final delta) and finish reason: with tools, the calls the
-        text holds (parsed, or constrained by tool_choice) and the content around them."""
+        text holds (parsed, or constrained by tool_choice) and the content around them; `echo`
+        goes ahead of the content (vLLM's: ahead of nothing when there are only calls)."""
         content, calls = self.parse_calls(out, mode)
+        content = echo + content if echo and content else echo or content
         msg = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             msg["tool_calls"] = [call.to_openai(j if key == "delta" else None) for j, call in enumerate(calls)]
@@ -102,7 +119,7 @@ class ChatRoutes:
         return "tool_calls" if calls and reason == "stop" and not mode.startswith("named:") else reason
 
     async def _stream_chat(self, body, started, head, mode: str | None = None) -> AsyncIterator[str]:
-        continuous = continuous_usage(body)
+        continuous, echo = continuous_usage(body), self.chat_echo(body)
         for i in range(len(started) * body.n):
             chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                           "logprobs": None, "finish_reason": None}]}
@@ -112,6 +129,10 @@ class ChatRoutes:
             if body.return_token_ids and i == 0:    # vLLM: the prompt's ids on the first chunk only
                 chunk["prompt_token_ids"] = list(started[0][1].prompt_token_ids)
             yield sse(chunk)
+            if echo:        # vLLM: the echoed message as each choice's first content delta
+                chunk.pop("prompt_token_ids", None)
+                chunk["choices"] = [{"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}]
+                yield sse(chunk)
         tools = mode not in (None, "none")
         streams: dict[int, ToolCallStream] = {}
 

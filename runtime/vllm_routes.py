@@ -62,7 +62,7 @@ def add_routes(app: FastAPI, server) -> None:
         first = singles[0]
         base, started = await server.start(prompts, first, first.output_limit, first.logprobs_k)
         finals = await server.collect(raw, started, 1)
-        choices = [{"index": i, **server._message(out, None, "message"), "logprobs": server.chat_logprobs(out, first),
+        choices = [{"index": i, **server._message(out, None, "message", server.chat_echo(singles[i])), "logprobs": server.chat_logprobs(out, first),
                     **server._token_ids(first, out, prompt=False)} for i, out in sorted(finals.items())]
         return {"id": f"chatcmpl-{base}", "object": "chat.completion", "created": int(time.time()),
                 "model": server.model_name, "choices": choices, "usage": server.usage(started, finals.values())}
