@@ -41,6 +41,9 @@ class EngineConfig:
     kv_tier_salt: str = ""                  # part of the tiers' fingerprint: keeps deployments apart
     preemption_mode: str = "auto"           # recompute | swap | auto: swap from swap_min_tokens computed
     swap_min_tokens: int = 256
+    # Most logprobs per token a request may ask for (vLLM's --max-logprobs; -1 asks for the whole
+    # vocabulary, so it needs this >= the vocabulary size; runtime/vocab_logprobs.py).
+    max_logprobs: int = 20
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory", "cuda_graph_max_bs"):
@@ -80,5 +83,7 @@ class EngineConfig:
         if max(self.tensor_parallel_size, self.pipeline_parallel_size) > 1 and (self.compile or self.cuda_graphs):
             raise ValueError("tensor / pipeline parallel runs eager: compile and cuda_graphs are not supported with "
                              "it yet")
+        if not isinstance(self.max_logprobs, int) or isinstance(self.max_logprobs, bool) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")

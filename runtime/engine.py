@@ -33,6 +33,7 @@ from runtime.kv_tiers import attach_tiers, close_tiers
 from runtime.limits import INT64_MAX, ParamError, check_text, is_int
 from runtime.structured_outputs import GrammarCache, StructuredOutputs
 from runtime.executor import make_executor
+from runtime import vocab_logprobs
 from runtime.worker import prompt_logprobs
 from runtime.outputs import CompletionOutput, Logprob, RequestOutput
 from runtime.parallel_sampling import fan_out
@@ -96,6 +97,8 @@ class Engine:
             cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
+        # Token texts for logprob entries; every token's, once, for whole-vocabulary rows.
+        self._vocab_words = vocab_logprobs.VocabWords(self.tokenizer, spec.vocab_size)
         eos = list(spec.eos_token_ids)
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = [self.tokenizer.eos_token_id]
@@ -223,6 +226,7 @@ class Engine:
                              f"{len(ids)} prompt tokens + {wanted} {name} were requested; reduce the prompt "
                              f"or {name}", name)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        params = vocab_logprobs.resolve(params, vocab, self.config.max_logprobs, len(ids), max_tokens)
         if request_id is None:
             request_id = str(next(self._next_id))
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
@@ -435,16 +439,16 @@ class Engine:
         return None
 
     def _spell_tokens(self, ids: list[int]) -> list[str | None]:
-        return [self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None else [None] * len(ids)
+        """Each id's text (a whole-vocabulary row from a table spelled once: vocab_logprobs.py)."""
+        return self._vocab_words.spell(ids)
 
     def _convert_logprobs(self, req: Request, i: int = -1) -> None:
         """Turn output token i's raw logprob entry into {token_id: Logprob} once, decoding the
         token strings here on the engine thread (the tokenizer is not shared across threads)."""
         entry = req.logprobs[i]
-        ids = list(entry["top"]) + [entry["token_id"]]
-        words = ([self.tokenizer.decode([t]) for t in ids] if self.tokenizer is not None
-                 else [None] * len(ids))
-        d = {tid: Logprob(lp, None, w) for (tid, lp), w in zip(entry["top"].items(), words)}
+        words = self._spell_tokens(list(entry["top"]) + [entry["token_id"]])
+        with vocab_logprobs.gc_paused(len(words) > vocab_logprobs.MAX_LOGPROBS + 1):
+            d = {tid: Logprob(lp, None, w) for (tid, lp), w in zip(entry["top"].items(), words)}
         d[entry["token_id"]] = Logprob(entry["logprob"], entry["rank"], words[-1])
         req.logprobs[i] = d
         req.cumulative_logprob += entry["logprob"]

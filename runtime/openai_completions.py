@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 from runtime.limits import ParamError
 from runtime.openai_protocol import CompletionRequest, bad_param
 from runtime.outputs import RequestOutput
+from runtime.vocab_logprobs import gc_paused
 
 
 class CompletionRoutes:
@@ -64,13 +65,14 @@ class CompletionRoutes:
         times = self.token_times()
         finals = await self.collect(raw, started, body.n, times)
         echo = self._echo(body, started)
-        choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
-                    "logprobs": self.completion_logprobs(out, body),
-                    "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out),
-                    "prompt_logprobs": self.prompt_logprobs_json(out) if body.prompt_logprobs is not None else None}
-                   for i, out in sorted(finals.items())]
-        return {**head, "choices": choices, "usage": self.usage(started, finals.values()),
-                **self.metrics_field(started, times, finals.values())}
+        with gc_paused(self.wide(body)):        # whole-vocabulary rows: runtime/vocab_logprobs.py
+            choices = [{"index": i, "text": echo.get(i // body.n, "") + out.outputs[0].text,
+                        "logprobs": self.completion_logprobs(out, body),
+                        "finish_reason": out.outputs[0].finish_reason, **self._token_ids(body, out),
+                        "prompt_logprobs": self.prompt_logprobs_json(out) if body.prompt_logprobs is not None else None}
+                       for i, out in sorted(finals.items())]
+        return self.answer({**head, "choices": choices, "usage": self.usage(started, finals.values()),
+                            **self.metrics_field(started, times, finals.values())}, body)
 
     def _echo(self, body, started) -> dict[int, str]:
         """Prompt index -> its text, when the client asked for `echo`."""

@@ -5,7 +5,9 @@ server's tokenizer and `token_bytes`), kept apart from the routes that call it.
 """
 from __future__ import annotations
 
+from runtime.http_guards import SafeJSONResponse
 from runtime.outputs import RequestOutput
+from runtime.vocab_logprobs import gc_paused, is_wide
 
 
 def finite(logprob: float) -> float:
@@ -18,8 +20,23 @@ class LogprobsFormat:
 
     @staticmethod
     def _top(d: dict, k: int) -> list:
-        """The k best (token_id, Logprob) of one position, best first."""
-        return sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
+        """The k best (token_id, Logprob) of one position, best first (k = -1: all of them)."""
+        return sorted(d.items(), key=lambda kv: -kv[1].logprob)[:len(d) if k < 0 else k]
+
+    @staticmethod
+    def answer(result: dict, body):
+        """A non-streamed answer. One with more logprobs than the default 20 per token (up to
+        the whole vocabulary, runtime/vocab_logprobs.py) is rendered directly: FastAPI's
+        jsonable_encoder would walk its millions of entries in Python (they are plain JSON
+        values already)."""
+        if LogprobsFormat.wide(body):
+            return SafeJSONResponse(result)
+        return result
+
+    @staticmethod
+    def wide(body) -> bool:
+        """Whether the request asks for more logprobs than the default 20 per token."""
+        return is_wide(*(getattr(body, name, None) for name in ("logprobs", "top_logprobs", "prompt_logprobs")))
 
     @staticmethod
     def _spell(body, token_id: int, lp) -> str:

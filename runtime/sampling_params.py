@@ -36,8 +36,10 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None     # return this many top logprobs per token (+ the sampled one)
-    prompt_logprobs: int | None = None   # and per prompt token (runtime/worker/prompt_logprobs.py)
+    # Return this many top logprobs per token (+ the sampled one), and per prompt token
+    # (runtime/worker/prompt_logprobs.py); -1: every token's. At most the engine's max_logprobs.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # vLLM's logprob_token_ids: these ids' logprobs (with the sampled token's) replace the top
     # `logprobs`, which must be len(logprob_token_ids) (the sampler's Sampler._gather_logprobs).
     logprob_token_ids: list[int] | None = None
@@ -97,8 +99,9 @@ class SamplingParams:
         if (len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
                 or not all(is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids)):
             bad("stop_token_ids", f"must be at most {MAX_STOP_TOKEN_IDS} non-negative token ids")
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+        # A count's upper bound is the engine's max_logprobs (runtime/vocab_logprobs.py); -1: every token.
+        if self.logprobs is not None and (not is_int(self.logprobs) or not -1 <= self.logprobs <= INT64_MAX):
+            bad("logprobs", "must be -1 (the whole vocabulary) or an integer >= 0")
         if self.logprob_token_ids is not None and (
                 not isinstance(self.logprob_token_ids, list) or not 0 < len(self.logprob_token_ids) <= MAX_LOGPROBS
                 or not all(is_int(t) and 0 <= t <= INT64_MAX for t in self.logprob_token_ids)):
@@ -106,8 +109,8 @@ class SamplingParams:
         if self.logprob_token_ids is not None and self.logprobs != len(self.logprob_token_ids):
             bad("logprob_token_ids", "needs logprobs equal to its length")
         if self.prompt_logprobs is not None and (
-                not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
-            bad("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}]")
+                not is_int(self.prompt_logprobs) or not -1 <= self.prompt_logprobs <= INT64_MAX):
+            bad("prompt_logprobs", "must be -1 (the whole vocabulary) or an integer >= 0")
         for name in ("presence_penalty", "frequency_penalty"):
             if not number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
                 bad(name, "must be in [-2, 2]")

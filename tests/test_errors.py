@@ -111,7 +111,7 @@ def test_bad_prompt_schedules_nothing(llm, prompt, message):
     (dict(temperature=-1), "temperature"), (dict(top_p=0), "top_p"), (dict(top_k=-2), "top_k"),
     (dict(min_p=2), "min_p"), (dict(max_tokens=0), "max_tokens"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(seed=-1), "seed"),
-    (dict(logprobs=21), "logprobs"), (dict(n=65), "n"), (dict(stop=[""]), "stop"),
+    (dict(logprobs=-2), "logprobs"), (dict(n=65), "n"), (dict(stop=[""]), "stop"),
 ])
 def test_invalid_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{field}: "):

@@ -121,6 +121,6 @@ def test_prompt_logprobs_with_samples_and_preemption(llama):
 
 def test_prompt_logprobs_bounds():
     with pytest.raises(ParamError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=21)
+        SamplingParams(prompt_logprobs=-2)
     with pytest.raises(ParamError, match="prompt_logprobs"):
-        SamplingParams(prompt_logprobs=-1)
+        SamplingParams(prompt_logprobs=1.5)

@@ -339,8 +339,8 @@ def test_logprobs_ignore_temperature_and_filters():
     ({"min_tokens": -1}, "min_tokens"),
     ({"n": 65}, "n"),
     ({"n": 0}, "n"),
-    ({"logprobs": 21}, "logprobs"),
-    ({"logprobs": -1}, "logprobs"),
+    ({"logprobs": -2}, "logprobs"),         # -1 is the whole vocabulary; the upper bound is the engine's
+    ({"logprobs": 1.5}, "logprobs"),
     ({"stop": [""]}, "stop"),
     ({"stop": ""}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"),

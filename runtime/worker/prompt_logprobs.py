@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.limits import MAX_LOGPROBS
 from runtime.outputs import Logprob
+from runtime.vocab_logprobs import gc_paused
 
 # Rows of logits materialised at once: a 2048-token chunk of a 150k vocabulary would
 # otherwise be 1.2 GB of float32 logits.
@@ -91,10 +93,11 @@ def record(entries: list, chunk: PromptLogprobsChunk, decode) -> None:
     ids, top_ids = chunk.token_ids[skip:].tolist(), chunk.top_ids[skip:].tolist()
     lps, ranks, top_lps = chunk.logprobs[skip:].tolist(), chunk.ranks[skip:].tolist(), chunk.top_logprobs[skip:].tolist()
     words = dict(zip(*_unique_words(ids, top_ids, decode)))
-    for t, lp, rank, ti, tv in zip(ids, lps, ranks, top_ids, top_lps):
-        d = {tid: Logprob(v, r + 1, words[tid]) for r, (tid, v) in enumerate(zip(ti, tv))}
-        d[t] = Logprob(lp, rank, words[t])
-        entries.append(d)
+    with gc_paused(chunk.top_ids.shape[1] > MAX_LOGPROBS):        # a whole-vocabulary row (vocab_logprobs.py)
+        for t, lp, rank, ti, tv in zip(ids, lps, ranks, top_ids, top_lps):
+            d = {tid: Logprob(v, r + 1, words[tid]) for r, (tid, v) in enumerate(zip(ti, tv))}
+            d[t] = Logprob(lp, rank, words[t])
+            entries.append(d)
 
 
 def _unique_words(ids: list[int], top_ids: list[list[int]], decode) -> tuple[list[int], list]:
