@@ -59,8 +59,11 @@ def ensure_venv(venv: Path = VENV) -> Path:
 
 
 def server_files(checkout: Path) -> list[Path]:
-    """The suite's HTTP-level files: those that start a server through RemoteOpenAIServer."""
-    return sorted(p for p in (checkout / SUITE).rglob("test_*.py") if "RemoteOpenAIServer" in p.read_text())
+    """The suite's HTTP-level files: those that start a server through RemoteOpenAIServer, in
+    their own code or through a fixture of their folder's conftest.py (responses/)."""
+    shared = {c.parent for c in (checkout / SUITE).rglob("conftest.py") if "RemoteOpenAIServer" in c.read_text()}
+    return sorted(p for p in (checkout / SUITE).rglob("test_*.py")
+                  if "RemoteOpenAIServer" in p.read_text() or p.parent in shared)
 
 
 def _reason(node) -> str:

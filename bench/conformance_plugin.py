@@ -27,6 +27,8 @@ import types
 
 import pytest
 
+from conformance_skips import NEEDS_CAPABLE_MODEL     # bench/ is on the runner's PYTHONPATH
+
 REPO = os.environ.get("ZOOINFER_CONFORMANCE_REPO", "")
 PYTHON = os.environ.get("ZOOINFER_CONFORMANCE_PYTHON", sys.executable)
 SPEC = os.environ.get("ZOOINFER_CONFORMANCE_SPEC", "zoo/smollm2-135m.yaml")
@@ -38,9 +40,9 @@ SPEC_MAX_LEN = int(os.environ.get("ZOOINFER_CONFORMANCE_SPEC_MAX_LEN", "8192"))
 
 # vLLM server flags, by what we do with them. Flags with a value consume it.
 PASSED = {"--root-path", "--max-model-len", "--max-num-seqs", "--api-key", "--tool-call-parser", "--max-num-batched-tokens",
-          "--served-model-name", "--port", "--structured-outputs-config.backend"}
+          "--served-model-name", "--port", "--structured-outputs-config.backend", "--max-logprobs"}
 # Sizing, precision and device knobs whose answer is ours (fp32 CPU, our backends), logging.
-IGNORED_WITH_VALUE = {"--seed", "--dtype", "--gpu-memory-utilization", "--max-logprobs", "--tensor-parallel-size",
+IGNORED_WITH_VALUE = {"--seed", "--dtype", "--gpu-memory-utilization", "--tensor-parallel-size",
                       "--kv-cache-dtype", "--block-size", "--swap-space", "--distributed-executor-backend",
                       "--load-format", "--attention-backend", "--host"}
 FLAGS = {"--return-tokens-as-token-ids", "--enable-force-include-usage", "--enable-per-request-metrics"}     # passed on, no value
@@ -68,6 +70,13 @@ NOT_APPLICABLE = {
     "--exclude-tools-when-tool-choice-none": "vLLM server-wide template flag",
     "--generation-config": "vLLM generation config", "--logprobs-mode": "vLLM logprobs modes",
 }
+
+
+def capable_model_reason(nodeid: str) -> str | None:
+    """The skip reason of a test listed in NEEDS_CAPABLE_MODEL, else None."""
+    rel = nodeid.split("tests/entrypoints/openai/", 1)[-1]
+    why = NEEDS_CAPABLE_MODEL.get(rel) or NEEDS_CAPABLE_MODEL.get(rel.split("[", 1)[0])
+    return None if why is None else f"not applicable: needs a capable model: {why}"
 
 
 def translate(model: str, args: list[str]) -> list[str]:
@@ -290,6 +299,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not _uses_server(item):
             item.add_marker(pytest.mark.skip(reason="not applicable: in-process test of vLLM's Python objects (no server)"))
+        elif (why := capable_model_reason(item.nodeid)) is not None:
+            item.add_marker(pytest.mark.skip(reason=why))
 
 
 REAL_VLLM = _real_vllm()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 
 from bench.conformance import report, run_file, server_files
+from bench.conformance_skips import NEEDS_CAPABLE_MODEL
 from tests.serving import tiny_chat_spec
 
 FAKE = '''
@@ -68,6 +69,23 @@ def test_x():
 '''
 
 
+# A test at the path of one listed in NEEDS_CAPABLE_MODEL: skipped before its server starts.
+CAPABLE = '''
+import pytest
+from tests.utils import RemoteOpenAIServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RemoteOpenAIServer("m", []) as s:
+        yield s
+
+
+def test_complex_message_content(server):
+    assert False, "never run: listed as needing a capable model"
+'''
+
+
 def test_runner_on_a_fake_checkout(tmp_path):
     checkout = tmp_path / "vllm"
     suite = checkout / "tests" / "entrypoints" / "openai"
@@ -90,5 +108,13 @@ def test_runner_on_a_fake_checkout(tmp_path):
         ("test_reasoning", "not applicable: reasoning models (vLLM reasoning parsers) (--reasoning-parser)")]
     internal = run_file(sys.executable, checkout, suite / "test_internal.py", spec, tmp_path, timeout=600)
     assert internal.not_applicable == "imports vllm.config (vLLM internals)" and not internal.passed
+    (suite / "chat_completion").mkdir()
+    (suite / "chat_completion" / "__init__.py").write_text("")
+    (suite / "chat_completion" / "test_chat.py").write_text(CAPABLE)
+    capable = run_file(sys.executable, checkout, suite / "chat_completion" / "test_chat.py", spec, tmp_path, timeout=600)
+    assert not capable.passed and not capable.failed
+    assert capable.skipped == [("test_complex_message_content",
+                                "not applicable: needs a capable model: " + NEEDS_CAPABLE_MODEL[
+                                    "chat_completion/test_chat.py::test_complex_message_content"])]
     text = report([fake, internal])
     assert "applicable 4: passed 3, failed 1 (75.0% pass); skipped 3; files not applicable 1" in text
