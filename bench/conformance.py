@@ -34,6 +34,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.conformance_skips import capable_model_reason
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("ZOOINFER_CONFORMANCE_VENV", Path.home() / ".cache" / "zooinfer-conformance-venv"))
 PACKAGES = ["pytest", "pytest-asyncio", "openai", "httpx", "requests", "regex", "jsonschema", "transformers", "pybase64"]
@@ -104,6 +106,9 @@ def parse_junit(xml_path: Path, rel: str, source: str = "") -> FileResult:
         return res
     for case in ET.parse(xml_path).getroot().iter("testcase"):
         name = case.get("name") or "<collection>"
+        if (why := capable_model_reason(f"{rel}::{name}")) is not None:   # listed after its XML was written
+            res.skipped.append((name, why))
+            continue
         problem = case.find("failure") if case.find("failure") is not None else case.find("error")
         skip = case.find("skipped")
         if problem is not None:

@@ -27,7 +27,7 @@ import types
 
 import pytest
 
-from conformance_skips import NEEDS_CAPABLE_MODEL     # bench/ is on the runner's PYTHONPATH
+from conformance_skips import capable_model_reason     # bench/ is on the runner's PYTHONPATH
 
 REPO = os.environ.get("ZOOINFER_CONFORMANCE_REPO", "")
 PYTHON = os.environ.get("ZOOINFER_CONFORMANCE_PYTHON", sys.executable)
@@ -70,13 +70,6 @@ NOT_APPLICABLE = {
     "--exclude-tools-when-tool-choice-none": "vLLM server-wide template flag",
     "--generation-config": "vLLM generation config", "--logprobs-mode": "vLLM logprobs modes",
 }
-
-
-def capable_model_reason(nodeid: str) -> str | None:
-    """The skip reason of a test listed in NEEDS_CAPABLE_MODEL, else None."""
-    rel = nodeid.split("tests/entrypoints/openai/", 1)[-1]
-    why = NEEDS_CAPABLE_MODEL.get(rel) or NEEDS_CAPABLE_MODEL.get(rel.split("[", 1)[0])
-    return None if why is None else f"not applicable: needs a capable model: {why}"
 
 
 def translate(model: str, args: list[str]) -> list[str]:
