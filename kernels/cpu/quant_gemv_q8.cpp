@@ -114,7 +114,7 @@ ZI_VNNI void tile4(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float
   }
   for (int i = 0; i < R; ++i)
     out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                              (xsum ? offset_dot512(w, n, xsum + (m0 + i) * ng) : 0.f);
+                              (xsum ? offset_dot<Avx512>(w, n, xsum + (m0 + i) * ng) : 0.f);
 }
 
 // 8-bit rows: lane i of a 64-weight chunk covers weights 4i..4i+3 (block i / 8, 16-group i / 4).
@@ -156,7 +156,7 @@ ZI_VNNI void tile8(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float
   }
   for (int i = 0; i < R; ++i)
     out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                              (xsum ? offset_dot512(w, n, xsum + (m0 + i) * ng) : 0.f);
+                              (xsum ? offset_dot<Avx512>(w, n, xsum + (m0 + i) * ng) : 0.f);
 }
 
 template <int R>
@@ -167,20 +167,7 @@ ZI_VNNI void tile(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float*
 
 ZI_VNNI void rows_q8(const QW& w, const XQ& xq, int64_t M, const float* xsum, float* out, int64_t ldo, int64_t n0,
                      int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    if (n + 1 < n1) {   // the next row streams in meanwhile
-      const char* next = reinterpret_cast<const char*>(w.qs + (n + 1) * w.row_bytes());
-      for (int64_t b = 0; b < w.row_bytes(); b += 64) __builtin_prefetch(next + b, 0, 0);
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      switch (std::min<int64_t>(MR, M - m0)) {
-        case 1: tile<1>(w, n, xq, m0, xsum, out, ldo); break;
-        case 2: tile<2>(w, n, xq, m0, xsum, out, ldo); break;
-        case 3: tile<3>(w, n, xq, m0, xsum, out, ldo); break;
-        default: tile<4>(w, n, xq, m0, xsum, out, ldo); break;
-      }
-    }
-  }
+  for_each_tile(w, M, n0, n1, [&](auto r, int64_t n, int64_t m0) { tile<decltype(r)::value>(w, n, xq, m0, xsum, out, ldo); });
 }
 
 bool q8_available() {

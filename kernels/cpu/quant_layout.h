@@ -1,6 +1,12 @@
 // The quantized weight layout shared by the linears on quantized weights (quant_gemm.cpp: exact
 // fp32 paths; quant_gemv_q8.cpp: int8 activations x quantized weights with VNNI dot products).
 // models/quant.py `QuantWeight` builds it; quant_gemm.cpp's header comment describes it.
+//
+// Also what the SIMD paths share, written once over the instruction set: `Avx2` / `Avx512` are
+// traits (the float vector and the few intrinsics the shared code needs), `offset_dot<I>` and
+// the decode loop `for_each_tile` are templates over them. The templates are always inlined
+// into a caller that carries the ISA's `target` attribute, so each path is compiled for its own
+// instruction set whatever -march the library was built with.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace zi_quant {
@@ -16,7 +23,9 @@ namespace zi_quant {
 constexpr int64_t DECODE_ROWS = 16;  // more rows: dequantize tiles once, multiply with at::mm
 constexpr int MR = 4;                // rows of x per register tile in the decode kernels
 
+#define ZI_AVX2 __attribute__((target("avx2,fma")))
 #define ZI_AVX512 __attribute__((target("avx512f,avx512bw,avx2,fma")))
+#define ZI_INLINE __attribute__((always_inline)) inline
 
 struct QW {                          // one quantized weight, as the kernels read it
   const uint8_t* qs;
@@ -31,14 +40,6 @@ struct QW {                          // one quantized weight, as the kernels rea
     return (minv ? minv[row * (k / group) + g] : 0.f) - static_cast<float>(zero) * s;
   }
 };
-
-// sum over groups of (min - zero * scale) * xsum: the part of a row's product that does not depend on q
-inline float offset_dot(const QW& w, int64_t row, const float* xsum) {
-  const int64_t ng = w.k / w.group;
-  float acc = 0.f;
-  for (int64_t g = 0; g < ng; ++g) acc += w.offset(row, g) * xsum[g];
-  return acc;
-}
 
 inline QW make_qw(const at::Tensor& qs, const at::Tensor& scale, const c10::optional<at::Tensor>& minv, int64_t bits,
            int64_t group, int64_t zero, int64_t k) {
@@ -115,19 +116,82 @@ inline void for_row_tiles(const QW& w, int64_t n0, int64_t n1, F&& f) {
   }
 }
 
-ZI_AVX512 inline float offset_dot512(const QW& w, int64_t row, const float* xsum) {   // offset_dot, 16 groups a step
+// ------------------------------------------------------------------ per-ISA vector traits
+struct Avx2 {                        // 8 floats
+  using V = __m256;
+  static constexpr int64_t W = 8;
+  ZI_AVX2 ZI_INLINE static V zero() { return _mm256_setzero_ps(); }
+  ZI_AVX2 ZI_INLINE static V set1(float a) { return _mm256_set1_ps(a); }
+  ZI_AVX2 ZI_INLINE static V load(const float* p) { return _mm256_loadu_ps(p); }
+  ZI_AVX2 ZI_INLINE static V load_n(const float* p, int64_t n) {   // p[0, n) (n < W), zeros after
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), lane));
+  }
+  ZI_AVX2 ZI_INLINE static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  ZI_AVX2 ZI_INLINE static V fnmadd(V a, V b, V c) { return _mm256_fnmadd_ps(a, b, c); }
+  ZI_AVX2 ZI_INLINE static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+  }
+};
+
+struct Avx512 {                      // 16 floats
+  using V = __m512;
+  static constexpr int64_t W = 16;
+  ZI_AVX512 ZI_INLINE static V zero() { return _mm512_setzero_ps(); }
+  ZI_AVX512 ZI_INLINE static V set1(float a) { return _mm512_set1_ps(a); }
+  ZI_AVX512 ZI_INLINE static V load(const float* p) { return _mm512_loadu_ps(p); }
+  ZI_AVX512 ZI_INLINE static V load_n(const float* p, int64_t n) {
+    return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), p);
+  }
+  ZI_AVX512 ZI_INLINE static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  ZI_AVX512 ZI_INLINE static V fnmadd(V a, V b, V c) { return _mm512_fnmadd_ps(a, b, c); }
+  ZI_AVX512 ZI_INLINE static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+
+// sum over groups of (min - zero * scale) * xsum[g], W groups a step on the path I: the part of
+// a row's product that does not depend on q (the decode kernels add it to the integer part).
+template <class I>
+ZI_INLINE float offset_dot(const QW& w, int64_t row, const float* xsum) {
   const int64_t ng = w.k / w.group;
   const float* sp = w.scale + row * ng;
   const float* mp = w.minv ? w.minv + row * ng : nullptr;
-  const __m512 z = _mm512_set1_ps(static_cast<float>(w.zero));
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; g += 16) {
-    const __mmask16 k = g + 16 <= ng ? __mmask16(0xFFFF) : __mmask16((1u << (ng - g)) - 1);
-    const __m512 mv = mp ? _mm512_maskz_loadu_ps(k, mp + g) : _mm512_setzero_ps();
-    const __m512 off = _mm512_fnmadd_ps(z, _mm512_maskz_loadu_ps(k, sp + g), mv);
-    acc = _mm512_fmadd_ps(off, _mm512_maskz_loadu_ps(k, xsum + g), acc);
+  const typename I::V z = I::set1(static_cast<float>(w.zero));
+  typename I::V acc = I::zero();
+  int64_t g = 0;
+  for (; g + I::W <= ng; g += I::W) {
+    const typename I::V mv = mp ? I::load(mp + g) : I::zero();
+    acc = I::fmadd(I::fnmadd(z, I::load(sp + g), mv), I::load(xsum + g), acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  if (g < ng) {                      // the last groups: masked loads, zeros in the unused lanes
+    const int64_t n = ng - g;
+    const typename I::V mv = mp ? I::load_n(mp + g, n) : I::zero();
+    acc = I::fmadd(I::fnmadd(z, I::load_n(sp + g, n), mv), I::load_n(xsum + g, n), acc);
+  }
+  return I::sum(acc);
+}
+
+// The decode loop of every SIMD path: for each output row n of [n0, n1) (row n + 1's quantized
+// bytes prefetched meanwhile) and each register tile of up to MR rows of x from row m0 on, calls
+// tile(std::integral_constant<int, R>, n, m0) with R = min(MR, M - m0).
+template <class F>
+ZI_INLINE void for_each_tile(const QW& w, int64_t M, int64_t n0, int64_t n1, F&& tile) {
+  for (int64_t n = n0; n < n1; ++n) {
+    if (n + 1 < n1) {
+      const char* next = reinterpret_cast<const char*>(w.qs + (n + 1) * w.row_bytes());
+      for (int64_t b = 0; b < w.row_bytes(); b += 64) __builtin_prefetch(next + b, 0, 0);
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      switch (std::min<int64_t>(MR, M - m0)) {
+        case 1: tile(std::integral_constant<int, 1>{}, n, m0); break;
+        case 2: tile(std::integral_constant<int, 2>{}, n, m0); break;
+        case 3: tile(std::integral_constant<int, 3>{}, n, m0); break;
+        default: tile(std::integral_constant<int, 4>{}, n, m0); break;
+      }
+    }
+  }
 }
 
 // x [M, K] (row stride ldx) summed per group of `group`: [M, K / group], for the min / zero term
