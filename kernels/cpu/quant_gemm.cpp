@@ -169,7 +169,7 @@ ZI_AVX2 inline void tile(Avx2, const QW& w, int64_t n, const float* x, int64_t l
     const __m256 sv = _mm256_set1_ps(sc[g]);
     for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(t0[i], t1[i]), sv, acc[i]);
   }
-  for (int i = 0; i < R; ++i) out[i * ldo + n] = Avx2::sum(acc[i]) + (xsum ? offset_dot<Avx2>(w, n, xsum + i * ng) : 0.f);
+  for (int i = 0; i < R; ++i) out[i * ldo + n] = Avx2::sum(acc[i]) + (xsum ? offset_dot(Avx2{}, w, n, xsum + i * ng) : 0.f);
 }
 
 ZI_AVX2 void dequant_avx2(const QW& w, int64_t n0, int64_t n1, float* dst) {
@@ -268,7 +268,7 @@ ZI_AVX512 inline void tile(Avx512, const QW& w, int64_t n, const float* x, int64
   }
   for (int i = 0; i < R; ++i)
     out[i * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                       (xsum ? offset_dot<Avx512>(w, n, xsum + i * ng) : 0.f);
+                       (xsum ? offset_dot(Avx512{}, w, n, xsum + i * ng) : 0.f);
 }
 
 ZI_AVX512 void dequant_avx512(const QW& w, int64_t n0, int64_t n1, float* dst) {

@@ -54,12 +54,11 @@ ZI_VNNI XQ quantize_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool ni
   o.ldd = nibble_order ? chunks * 4 : chunks * 2;
   o.q.assign(M * o.ldq, 0);
   o.d.assign(M * o.ldd, 0.f);
-  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xr = x + m * ldx + b * 32;
       const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));   // F only, not DQ
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)));
       const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)));
@@ -114,7 +113,7 @@ ZI_VNNI void tile4(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float
   }
   for (int i = 0; i < R; ++i)
     out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                              (xsum ? offset_dot<Avx512>(w, n, xsum + (m0 + i) * ng) : 0.f);
+                              (xsum ? offset_dot(Avx512{}, w, n, xsum + (m0 + i) * ng) : 0.f);
 }
 
 // 8-bit rows: lane i of a 64-weight chunk covers weights 4i..4i+3 (block i / 8, 16-group i / 4).
@@ -156,7 +155,7 @@ ZI_VNNI void tile8(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float
   }
   for (int i = 0; i < R; ++i)
     out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                              (xsum ? offset_dot<Avx512>(w, n, xsum + (m0 + i) * ng) : 0.f);
+                              (xsum ? offset_dot(Avx512{}, w, n, xsum + (m0 + i) * ng) : 0.f);
 }
 
 template <int R>

@@ -3,10 +3,10 @@
 // models/quant.py `QuantWeight` builds it; quant_gemm.cpp's header comment describes it.
 //
 // Also what the SIMD paths share, written once over the instruction set: `Avx2` / `Avx512` are
-// traits (the float vector and the few intrinsics the shared code needs), `offset_dot<I>` and
-// the decode loop `for_each_tile` are templates over them. The templates are always inlined
-// into a caller that carries the ISA's `target` attribute, so each path is compiled for its own
-// instruction set whatever -march the library was built with.
+// traits (the float vector and the few intrinsics the shared code needs); `offset_dot(ISA{}, ...)`
+// is one body over them (quant_isa_body.h, compiled for each ISA's target), and the decode loop
+// `for_each_tile` one template for every path. Each path is compiled for its own instruction set
+// whatever -march the library was built with.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -151,27 +151,20 @@ struct Avx512 {                      // 16 floats
   ZI_AVX512 ZI_INLINE static float sum(V v) { return _mm512_reduce_add_ps(v); }
 };
 
-// sum over groups of (min - zero * scale) * xsum[g], W groups a step on the path I: the part of
-// a row's product that does not depend on q (the decode kernels add it to the integer part).
-template <class I>
-ZI_INLINE float offset_dot(const QW& w, int64_t row, const float* xsum) {
-  const int64_t ng = w.k / w.group;
-  const float* sp = w.scale + row * ng;
-  const float* mp = w.minv ? w.minv + row * ng : nullptr;
-  const typename I::V z = I::set1(static_cast<float>(w.zero));
-  typename I::V acc = I::zero();
-  int64_t g = 0;
-  for (; g + I::W <= ng; g += I::W) {
-    const typename I::V mv = mp ? I::load(mp + g) : I::zero();
-    acc = I::fmadd(I::fnmadd(z, I::load(sp + g), mv), I::load(xsum + g), acc);
-  }
-  if (g < ng) {                      // the last groups: masked loads, zeros in the unused lanes
-    const int64_t n = ng - g;
-    const typename I::V mv = mp ? I::load_n(mp + g, n) : I::zero();
-    acc = I::fmadd(I::fnmadd(z, I::load_n(sp + g, n), mv), I::load_n(xsum + g, n), acc);
-  }
-  return I::sum(acc);
-}
+// The ISA-generic SIMD code (`offset_dot`) is written once, in quant_isa_body.h, and compiled
+// once per ISA: included below with ZI_ISA naming the traits and ZI_TARGET their target. (GCC
+// gives a function template the target of its declaration, so a template over the traits would
+// compile every ISA's instance for one target and could not inline the other's intrinsics.)
+#define ZI_ISA Avx2
+#define ZI_TARGET ZI_AVX2
+#include "quant_isa_body.h"
+#undef ZI_ISA
+#undef ZI_TARGET
+#define ZI_ISA Avx512
+#define ZI_TARGET ZI_AVX512
+#include "quant_isa_body.h"
+#undef ZI_ISA
+#undef ZI_TARGET
 
 // The decode loop of every SIMD path: for each output row n of [n0, n1) (row n + 1's quantized
 // bytes prefetched meanwhile) and each register tile of up to MR rows of x from row m0 on, calls
