@@ -7,9 +7,11 @@
 //   bits 4: qs uint8 [N, K / 2]; each 32-weight block of a row is 16 bytes, byte j holding weight j
 //           in its low nibble and weight j + 16 in its high nibble (GGUF Q4_0's order); G % 32 == 0.
 //   bits 8: qs int8 [N, K]; G % 16 == 0.
-//   scale / min: float32, or float16 where the format's own scales are fp16 (the legacy GGUF
-//           formats: half the bytes); fp16 ones are converted to fp32 64 rows at a time
-//           (quant_layout.h `for_row_tiles`, exact), so the kernels below read fp32 only.
+//   bits 5 / 6: the low 4 bits as bits 4, the high bits in 1 or 2 bit planes (quant_storage.h).
+//   scale / min: float32, float16 where the format's own scales are fp16 (the legacy GGUF
+//           formats), or two-level as the K-quants ship them (int8 sub-scales x fp16 super-scales).
+//           Storage other than bits 4 / 8 with fp32 scales is expanded 64 rows at a time
+//           (quant_storage.h `for_row_tiles`, exact), so the kernels below read only that.
 // K is a multiple of G (the Python wrapper pads x and the weight for other K).
 //
 // Decode (M <= DECODE_ROWS): threads split the output rows; each row's quantized bytes are read
@@ -31,7 +33,7 @@
 
 #include <immintrin.h>
 
-#include "quant_layout.h"
+#include "quant_storage.h"
 
 #include <algorithm>
 #include <cstring>
@@ -320,7 +322,7 @@ int64_t resolve_isa(int64_t isa) {
 
 // rows n0..n1 of w dequantized, row r to dst + (r - base) * K
 void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst, int64_t base) {
-  for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
+  for_row_tiles(w, isa, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
     float* d = dst + (r0 - base) * w.k;
     if (isa == 2) dequant_avx512(t, 0, r1 - r0, d);
     else if (isa == 1) dequant_avx2(t, 0, r1 - r0, d);
@@ -330,10 +332,11 @@ void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst, 
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& minv, int64_t bits, int64_t group, int64_t zero,
-                        const c10::optional<at::Tensor>& bias, int64_t isa) {
+                        const c10::optional<at::Tensor>& bias, int64_t isa, const c10::optional<at::Tensor>& qh,
+                        const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1));
+  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1), qh, scale_d, minv_d);
   isa = resolve_isa(isa);
   const int64_t M = x.size(0), N = w.n, K = w.k;
   at::Tensor out = at::empty({M, N}, x.options());
@@ -346,7 +349,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
       const std::vector<float> xsum = group_sums(w, xp, ldx, M);   // for the min / zero term
       const float* xs = xsum.empty() ? nullptr : xsum.data();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
+        for_row_tiles(w, isa, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
           if (isa == 2) rows_avx512(t, xp, ldx, M, op + r0, N, 0, r1 - r0, xs);
           else if (isa == 1) rows_avx2(t, xp, ldx, M, op + r0, N, 0, r1 - r0, xs);
           else rows_scalar(t, xp, ldx, M, op + r0, N, 0, r1 - r0);
@@ -372,8 +375,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 }
 
 at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scale, const c10::optional<at::Tensor>& minv,
-                            int64_t bits, int64_t group, int64_t zero, int64_t k, int64_t isa) {
-  const QW w = make_qw(qs, scale, minv, bits, group, zero, k);
+                            int64_t bits, int64_t group, int64_t zero, int64_t k, int64_t isa,
+                            const c10::optional<at::Tensor>& qh, const c10::optional<at::Tensor>& scale_d,
+                            const c10::optional<at::Tensor>& minv_d) {
+  const QW w = make_qw(qs, scale, minv, bits, group, zero, k, qh, scale_d, minv_d);
   isa = resolve_isa(isa);
   at::Tensor out = at::empty({w.n, k}, scale.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
@@ -387,10 +392,10 @@ int64_t quant_best_isa() { return best_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, "
-        "Tensor? bias, int isa) -> Tensor");
+        "Tensor? bias, int isa, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
-  m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, int k, int isa) "
-        "-> Tensor");
+  m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, int k, int isa, "
+        "Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
   m.impl("quant_dequantize", c10::DispatchKey::CPU, TORCH_FN(quant_dequantize));
   m.def("quant_best_isa() -> int", TORCH_FN(quant_best_isa));
 }

@@ -32,7 +32,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "quant_layout.h"
+#include "quant_storage.h"
 
 namespace {
 
@@ -177,12 +177,13 @@ bool q8_available() {
 
 at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& minv, int64_t bits, int64_t group, int64_t zero,
-                           const c10::optional<at::Tensor>& bias) {
+                           const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& qh,
+                           const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d) {
   TORCH_CHECK(q8_available(), "quant_linear_q8: this CPU lacks AVX-512 VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_q8: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(x.size(0) <= DECODE_ROWS, "quant_linear_q8: at most ", DECODE_ROWS, " rows (decode), got ", x.size(0));
-  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1));
+  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1), qh, scale_d, minv_d);
   const int64_t M = x.size(0), N = w.n;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
@@ -193,7 +194,7 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::
     const float* xs = xsum.empty() ? nullptr : xsum.data();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); });
+      for_row_tiles(w, 2, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); });
     });
   }
   if (bias.has_value() && bias->defined()) {
@@ -224,7 +225,7 @@ std::vector<at::Tensor> quantize_activations_q8(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("quant_linear_q8(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, "
-        "Tensor? bias) -> Tensor");
+        "Tensor? bias, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
   m.impl("quant_linear_q8", c10::DispatchKey::CPU, TORCH_FN(quant_linear_q8));
   m.def("quantize_activations_q8(Tensor x) -> Tensor[]");
   m.impl("quantize_activations_q8", c10::DispatchKey::CPU, TORCH_FN(quantize_activations_q8));

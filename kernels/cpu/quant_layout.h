@@ -28,93 +28,28 @@ constexpr int MR = 4;                // rows of x per register tile in the decod
 #define ZI_INLINE __attribute__((always_inline)) inline
 
 struct QW {                          // one quantized weight, as the kernels read it
-  const uint8_t* qs;
+  const uint8_t* qs;                 // bits 4: nibbles [n, k / 2]; 8: int8 [n, k]
   const float* scale;                // fp32 scales (the kernels read only these) ...
   const float* minv;                 // nullptr: no min term
   int64_t n, k, group, zero, bits;
-  const at::Half* scale_h = nullptr; // ... or, when the weight stores them as fp16, these (scale and
-  const at::Half* minv_h = nullptr;  // minv null): `for_row_tiles` converts them a tile at a time
-  int64_t row_bytes() const { return bits == 4 ? k / 2 : k; }
+  // ... or storage the kernels never read: `for_row_tiles` (quant_storage.h) expands it into the
+  // fields above a tile of rows at a time, exactly, so results do not depend on the storage.
+  const at::Half* scale_h = nullptr; // fp16 scale / min (scale, minv null)
+  const at::Half* minv_h = nullptr;
+  const int8_t* scale_q = nullptr;   // two-level (K-quants): scale = scale_d[n, k / super] * scale_q[n, k / group]
+  const int8_t* minv_q = nullptr;    //   and min = minv_d * minv_q likewise
+  const at::Half* scale_d = nullptr;
+  const at::Half* minv_d = nullptr;
+  int64_t super = 0;
+  const uint32_t* qh = nullptr;      // bits 5 / 6: qs holds the low 4 bits, qh [n, k / 32, bits - 4] the rest
+  int64_t row_bytes() const { return bits == 8 ? k : k / 2; }
+  bool has_min() const { return minv || minv_h || minv_q; }
+  int64_t tile_zero() const { return bits == 5 || bits == 6 ? 0 : zero; }   // 5 / 6 bits: folded into the expanded q
   float offset(int64_t row, int64_t g) const {   // min - zero * scale: w = scale * q + offset
     const float s = scale[row * (k / group) + g];
     return (minv ? minv[row * (k / group) + g] : 0.f) - static_cast<float>(zero) * s;
   }
 };
-
-inline QW make_qw(const at::Tensor& qs, const at::Tensor& scale, const c10::optional<at::Tensor>& minv, int64_t bits,
-           int64_t group, int64_t zero, int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(group > 0 && group % (bits == 4 ? 32 : 16) == 0 && k % group == 0 && k % 32 == 0,
-              "quant_linear: group ", group, " must divide K=", k, " and be a multiple of ", bits == 4 ? 32 : 16,
-              " (K a multiple of 32)");
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.device().is_cpu() && qs.element_size() == 1 &&
-                  qs.size(1) == (bits == 4 ? k / 2 : k),
-              "quant_linear: qs must be a contiguous 1-byte CPU tensor [N, ", bits == 4 ? k / 2 : k, "], got ",
-              qs.sizes());
-  const int64_t n = qs.size(0);
-  const bool half = scale.scalar_type() == at::kHalf;
-  auto check_groups = [&](const at::Tensor& t, const char* what) {
-    TORCH_CHECK((t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf) && t.is_contiguous() &&
-                    t.dim() == 2 && t.size(0) == n && t.size(1) == k / group,
-                "quant_linear: ", what, " must be contiguous float32 or float16 [", n, ", ", k / group, "], got ",
-                t.sizes(), " ", t.scalar_type());
-    TORCH_CHECK((t.scalar_type() == at::kHalf) == half, "quant_linear: scale and min must have one dtype");
-  };
-  check_groups(scale, "scale");
-  QW w{static_cast<const uint8_t*>(qs.data_ptr()), nullptr, nullptr, n, k, group, zero, bits};
-  const bool has_min = minv.has_value() && minv->defined();
-  if (has_min) check_groups(*minv, "min");
-  if (half) {
-    w.scale_h = scale.data_ptr<at::Half>();
-    w.minv_h = has_min ? minv->data_ptr<at::Half>() : nullptr;
-  } else {
-    w.scale = scale.data_ptr<float>();
-    w.minv = has_min ? minv->data_ptr<float>() : nullptr;
-  }
-  return w;
-}
-
-__attribute__((target("avx512f"))) inline void half_to_float_avx512(const at::Half* s, float* d, int64_t n) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(d + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i))));
-  for (; i < n; ++i) d[i] = static_cast<float>(s[i]);
-}
-
-inline void half_to_float(const at::Half* s, float* d, int64_t n) {   // exact: every fp16 is an fp32
-  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
-  if (avx512) return half_to_float_avx512(s, d, n);
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(s[i]);
-}
-
-// f(tile, r0, r1) for rows [n0, n1) in tiles of up to 64 rows: `tile` is the weight of rows r0..r1
-// (its row 0 is row r0) with fp32 scales, converted from fp16 into a local buffer when the weight
-// stores fp16 ones (L1-sized; the conversion is exact, so results do not depend on the storage).
-template <class F>
-inline void for_row_tiles(const QW& w, int64_t n0, int64_t n1, F&& f) {
-  constexpr int64_t TILE = 64;
-  const int64_t ng = w.k / w.group;
-  std::vector<float> buf(w.scale_h ? TILE * ng * (w.minv_h ? 2 : 1) : 0);
-  for (int64_t r0 = n0; r0 < n1; r0 += TILE) {
-    const int64_t r1 = std::min(n1, r0 + TILE);
-    QW t = w;
-    t.qs = w.qs + r0 * w.row_bytes();
-    t.n = r1 - r0;
-    t.scale_h = t.minv_h = nullptr;
-    if (w.scale_h) {
-      half_to_float(w.scale_h + r0 * ng, buf.data(), t.n * ng);
-      t.scale = buf.data();
-      if (w.minv_h) {
-        half_to_float(w.minv_h + r0 * ng, buf.data() + TILE * ng, t.n * ng);
-        t.minv = buf.data() + TILE * ng;
-      }
-    } else {
-      t.scale = w.scale + r0 * ng;
-      t.minv = w.minv ? w.minv + r0 * ng : nullptr;
-    }
-    f(t, r0, r1);
-  }
-}
 
 // ------------------------------------------------------------------ per-ISA vector traits
 struct Avx2 {                        // 8 floats
@@ -191,7 +126,7 @@ ZI_INLINE void for_each_tile(const QW& w, int64_t M, int64_t n0, int64_t n1, F&&
 // (min - zero * scale) * sum(x) of each group; empty when the weight has neither.
 inline std::vector<float> group_sums(const QW& w, const float* x, int64_t ldx, int64_t M) {
   std::vector<float> xsum;
-  if (!w.minv && !w.minv_h && !w.zero) return xsum;
+  if (!w.has_min() && !w.tile_zero()) return xsum;
   const int64_t ng = w.k / w.group;
   xsum.assign(M * ng, 0.f);
   for (int64_t m = 0; m < M; ++m)
