@@ -52,13 +52,20 @@ import torch  # noqa: E402
 from bench.throughput import make_workload, resolve_model  # noqa: E402
 
 PHASES = ("schedule", "prep", "forward", "sample", "update")
-MODEL: dict = {}    # --model: "name", "path" and the "vocab" the random prompts draw from (set in main)
+MODEL: dict = {}    # --model: "name", "path" and the "vocab" the random prompts draw from
 
 
 def set_model(name: str) -> None:
     label, path = resolve_model(name)
     from models import resolve_spec
     MODEL.update(name=label, path=str(path), vocab=resolve_spec(path).vocab_size)
+
+
+def model() -> dict:
+    """The model set by `set_model` (tiny Llama for callers that set none, e.g. bench/test_bench_engine.py)."""
+    if not MODEL:
+        set_model("tiny-llama")
+    return MODEL
 
 
 @dataclass
@@ -217,7 +224,7 @@ def make_engine(max_num_seqs: int, ref: str | None = None):
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, dtype="float32")
-    engine = Engine(MODEL["path"], cfg)
+    engine = Engine(model()["path"], cfg)
     swap_in(engine, ref)
     return engine
 
@@ -243,14 +250,14 @@ def median_row(rows: list[dict]) -> dict:
 
 def run_workload(args) -> dict:
     from runtime import LLM, SamplingParams
-    prompts = make_workload(64, 64, 256, MODEL["vocab"], seed=0)
+    prompts = make_workload(64, 64, 256, model()["vocab"], seed=0)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     runs = {}
     for ref in variants(args):
         # Prefix caching off by default: with it, every round after the first would find its
         # prompts cached by the previous round and skip most of the prefill.
-        llm = LLM(MODEL["path"], max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
+        llm = LLM(model()["path"], max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
                   enable_prefix_caching=args.prefix_caching)
         swap_in(llm.engine, ref)
         timer = StepTimer(llm.engine)
@@ -266,7 +273,7 @@ def run_workload(args) -> dict:
         run["outputs"] = [o.outputs[0].token_ids for o in outs]
     for ref, run in runs.items():
         tok_s = run["tok_s"]
-        print(f"{MODEL['name']} workload [{label(ref)}]: {statistics.median(tok_s):.1f} out tok/s median "
+        print(f"{model()['name']} workload [{label(ref)}]: {statistics.median(tok_s):.1f} out tok/s median "
               f"({', '.join(f'{t:.1f}' for t in tok_s)})")
         print_table("  all steps (median round)", median_row(run["rows"]))
     if args.against is not None:
@@ -285,7 +292,7 @@ def prefill_to_decode(engine, n: int, max_tokens: int) -> None:
     # FINAL_ONLY, as LLM.generate asks for: the decode steps are then the offline path's.
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                         output_kind=RequestOutputKind.FINAL_ONLY)
-    for p in make_workload(n, 64, 256, MODEL["vocab"], seed=1):
+    for p in make_workload(n, 64, 256, model()["vocab"], seed=1):
         engine.add_request(engine.make_request({"prompt_token_ids": p}, sp))
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
@@ -364,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     set_model(args.model)
-    print(f"{MODEL['name']}: torch {torch.__version__}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
+    print(f"{model()['name']}: torch {torch.__version__}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
     if args.workload:
         run_workload(args)
     for n in [int(x) for x in args.decodes.split(",") if x.strip()]:
