@@ -136,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         texts = prompts(tok, w)
         res = {n: [] for n in engines}
         before = engines["ngram"].kv_cache_stats()
-        counts = engines["ngram"].engine.spec_decoder.cost.decode.counts.copy()   # plain, drafting decode steps
+        counts = engines["ngram"].engine.spec_decoder.cost.decode.counts.copy()
         for rnd in range(args.rounds):
             order = list(engines) if rnd % 2 == 0 else list(reversed(engines))
             for n in order:
                 res[n].append(run(engines[n], texts, b, args.new_tokens))
-        plain, drafting = engines["ngram"].engine.spec_decoder.cost.decode.counts - counts
+        steps = engines["ngram"].engine.spec_decoder.cost.decode.counts - counts   # regime 2 * bucket + drafting
+        plain, drafting = steps[0::2].sum(), steps[1::2].sum()
         spec_share = drafting / max(1, plain + drafting)
         after = engines["ngram"].kv_cache_stats()
         drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]

@@ -112,8 +112,9 @@ def test_cap_switches_drafts_off_where_they_do_not_pay_and_counts_the_draft_mode
     # at acceptance 0.5 only one draft pays (1.5 tokens in 44 ms), at 0.3 none does
     assert draft.cap(1, np.array([0.5]), np.array([4]), k) == 1
     assert draft.cap(1, np.array([0.3]), np.array([4]), k) == 0
-    # not fitted yet: no cap
-    assert StepCost().cap(32, np.full(32, 0.1), full, none) == 4
+    # no drafting step seen at this batch size: one draft each, to measure what they cost
+    assert StepCost().cap(32, np.full(32, 0.9), full, none) == 1
+    assert with_draft(0.010).cap(64, np.full(64, 0.99), np.full(64, 4), none) == 1
 
 
 class Counting(Proposer):
@@ -159,7 +160,8 @@ def test_decoder_measures_the_proposer_and_turns_itself_off_at_batch_32(forwards
     """SpecDecoder.step end to end on injected step times: the proposer's overhead and
     per-forward time are measured on its clock. With acceptance 0.5 at batch 32 the decoder
     stops calling the proposer and leaves every request without drafts, so the next step is
-    a plain decode step. At batch 1 with acceptance 0.9 it drafts the full k."""
+    a plain decode step. At batch 1 with acceptance 0.9, once steps there were measured, it
+    drafts the full k."""
     clock = SimpleNamespace(t=0.0)
     prop = Counting(clock, forwards_per_k)
     dec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), 1000, proposer=prop, clock=lambda: clock.t)
@@ -178,5 +180,6 @@ def test_decoder_measures_the_proposer_and_turns_itself_off_at_batch_32(forwards
     assert prop.calls == calls
     one = _requests(1)
     dec.rate[one[0].request_id] = 0.9
-    dec.step(None, one, _so(one), decode_seconds(1, 0))
-    assert dec.cap == 4 and len(one[0].spec_token_ids) == 4 and prop.calls == calls + 1
+    for d in (0, 2, 4, 0, 1, 3):            # batch 1 measured, drafting steps included
+        dec.step(None, one, _so(one, d), decode_seconds(1, d))
+    assert dec.cap == 4 and len(one[0].spec_token_ids) == 4 and prop.calls > calls

@@ -30,7 +30,10 @@ Two decisions are taken from the model (`SpecDecoder.step`):
   Request i with acceptance rate alpha_i and k_i drafts is expected to commit
   1 + sum_{j <= k_i} alpha_i^j tokens. Every cap K in 0..max(ks) is scored by expected
   tokens / predicted seconds (verification plus the proposer's overhead and forwards at K).
-  The best score wins, and ties go to the smaller K.
+  The best score wins, and ties go to the smaller K. At a batch-size bucket where no drafting
+  step was seen yet, the cap is at most 1. At batch 32 on a CPU a draft token costs about a
+  row token, so an optimistic k = 4 round there costs several steps' time, and one draft
+  per request is enough to measure the cost.
 """
 from __future__ import annotations
 
@@ -140,6 +143,11 @@ class StepCost:
             self._theta[key] = self.decode.solve(self._theta[-1], np.full(4, BUCKET_PRIOR), mine)
         return self._theta[key]
 
+    def explored(self, rows: int) -> bool:
+        """Whether drafting steps were seen at this batch-size bucket (until then what a draft
+        costs here is extrapolated from other batch sizes)."""
+        return self.decode.w[2 * bucket(rows) + 1] > 0
+
     def verify_seconds(self, rows: int, drafts: np.ndarray) -> np.ndarray:
         """Predicted execute seconds of a decode step of `rows` rows and `drafts` drafts (array)."""
         a, b, e, f = self.theta(rows)
@@ -160,6 +168,8 @@ class StepCost:
         """The k cap (0: no drafts) that maximises expected tokens per second this step, for
         `rows` decoding rows, of which the drafting ones have acceptance `alpha` and want `ks`."""
         kmax = int(ks.max()) if len(ks) else 0
+        if not self.explored(rows):     # one draft each measures the cost here, more could cost a lot
+            kmax = min(kmax, 1)
         if not self.ready or kmax == 0:
             return kmax
         caps = np.arange(kmax + 1)

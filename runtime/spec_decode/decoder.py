@@ -29,7 +29,8 @@ one whose rate is too low, so it probes on the same schedule: probes are how acc
 learned again.
 
 A new request starts from the engine's measured acceptance (`prior`, an EMA over every
-verification) where drafts cost, and optimistic (rate 1) only where they are cheap.
+verification) where drafts cost or their cost at this batch size is not measured yet, and
+optimistic (rate 1) only where they are known to be cheap.
 With `disable_by_batch_size`, no request speculates while that many run.
 """
 from __future__ import annotations
@@ -83,15 +84,16 @@ class SpecDecoder:
                          or p.logit_bias or p.allowed_token_ids is not None or p.bad_words_token_ids
                          or p.structured_outputs is not None))
 
-    def _want(self, req: Request, threshold: float = 0.0) -> int:
-        """The drafts a request's acceptance and room are worth at this `threshold`."""
+    def _want(self, req: Request, threshold: float = 0.0, explored: bool = True) -> int:
+        """The drafts a request's acceptance and room are worth at this `threshold` (`explored`:
+        drafting steps were measured at this batch size)."""
         k = self.config.num_speculative_tokens
         room = min(req.max_tokens - req.num_output_tokens, self.max_model_len - req.num_tokens) - 1
         if self.config.adaptive:
             rid = req.request_id
             rate = self.rate.get(rid)
-            if rate is None:     # optimistic where a wrong guess is cheap, else what others measured
-                rate = self.rate[rid] = 1.0 if threshold < CHEAP else self.prior
+            if rate is None:     # optimistic where a wrong guess is known to be cheap, else what others measured
+                rate = self.rate[rid] = 1.0 if threshold < CHEAP and explored else self.prior
             k = int(k * rate + 0.5)
             if threshold > 0:    # draft j is accepted with probability ~ rate^j: keep those that pay
                 k = min(k, int(np.log(threshold) / np.log(rate)) if 0 < rate < 1 else (k if rate >= 1 else 0))
@@ -143,7 +145,8 @@ class SpecDecoder:
         if not cands:
             return
         threshold = self.cost.threshold(len(running)) if self.config.adaptive else 0.0
-        want = np.fromiter((self._want(r, threshold) for r in cands), dtype=np.int64, count=len(cands))
+        explored = self.cost.explored(len(running))
+        want = np.fromiter((self._want(r, threshold, explored) for r in cands), dtype=np.int64, count=len(cands))
         cap = None
         if self.config.adaptive and want.any():
             on = np.flatnonzero(want)
