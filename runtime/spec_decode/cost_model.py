@@ -3,11 +3,13 @@
 It is fitted online, from the engine's own step times, and has three parts:
 
 - Verification: decode-only steps (every scheduled request computes its one next token plus
-  its drafts) are fitted as seconds = a + b * N + e * D + f * s, per batch-size bucket
-  (with the fit over all buckets as the prior). N is the number of tokens in
-  the forward (rows + drafts), D the number of drafts, and s is 1 when any row has drafts. So
-  e is what a draft token costs beyond a plain row token (its logits and its verification),
-  and f is the fixed cost of a speculating step (the verifier's path, snapshots).
+  its drafts) are fitted as seconds = a + b * N + e * D, per batch-size bucket (with the fit
+  over all buckets as the prior). N is the number of tokens in the forward (rows + drafts) and
+  D the number of drafts, so e is what a draft token costs beyond a plain row token (its
+  logits, its verification, its share of the verifier's fixed cost). A separate fixed term per
+  drafting step was tried and dropped: steps draft 3-4 tokens per row nearly always, so the
+  two drafting terms could not be told apart, and under load the fit swung to +55 ms a draft
+  and -150 ms a drafting step at batch 1 (measured). That switched off drafts that paid.
 - Prefill: steps that carry a prefill chunk are fitted apart, as a' + b' * tokens. Their
   tokens skip the LM head and come in long chunks, so they are cheaper than decode tokens, and
   mixing them in made drafts at batch 32 look almost free (issue 19). The prefill fit is only
@@ -19,7 +21,7 @@ It is fitted online, from the engine's own step times, and has three parts:
   it runs for a given k (`Proposer.forwards`).
 
 Every fit is a least-squares fit with older observations decayed, plus a ridge prior worth
-`PRIOR_WEIGHT` observations. A coefficient the data cannot identify yet (e, f before any draft
+`PRIOR_WEIGHT` observations. A coefficient the data cannot identify yet (e before any draft
 ran) therefore sits at its prior (0) and does not jump to an arbitrary value.
 
 Two decisions are taken from the model (`SpecDecoder.step`):
@@ -89,8 +91,8 @@ class DecayedFit:
 
 class StepCost:
     def __init__(self):
-        # [1, N, D, s] -> execute seconds of a decode-only step; regime 2 * bucket + (any draft)
-        self.decode = DecayedFit(4, 2 * BUCKETS)
+        # [1, N, D] -> execute seconds of a decode-only step; regime 2 * bucket + (any draft)
+        self.decode = DecayedFit(3, 2 * BUCKETS)
         self.prefill = DecayedFit(2)      # [1, tokens] -> execute seconds of a step with a prefill chunk
         self.overhead = 0.0               # seconds per proposal call beyond the draft's forwards
         self.per_forward = 0.0            # seconds per draft-model / MTP forward in a proposal
@@ -102,7 +104,7 @@ class StepCost:
         """One executed step: `rows` scheduled requests, `drafts` draft tokens among its
         `tokens` scheduled tokens. It is a decode-only step when tokens == rows + drafts."""
         if tokens == rows + drafts:
-            self.decode.observe((1.0, tokens, drafts, float(drafts > 0)), seconds, 2 * bucket(rows) + (drafts > 0))
+            self.decode.observe((1.0, tokens, drafts), seconds, 2 * bucket(rows) + (drafts > 0))
         else:
             self.prefill.observe((1.0, tokens), seconds)
         self._theta.clear()
@@ -125,7 +127,7 @@ class StepCost:
         return self.decode.steps + self.prefill.steps >= MIN_STEPS and self.decode.steps > 0
 
     def theta(self, rows: int) -> np.ndarray:
-        """(a, b, e, f) of the decode fit at `rows` rows. It is fitted on the steps of its
+        """(a, b, e) of the decode fit at `rows` rows. It is fitted on the steps of its
         batch-size bucket only, with the fit over every bucket as its prior. A step's cost is
         not linear from batch 1 to batch 32: it is bound by streaming the weights first and by
         compute later, and the big batches' many drafts would otherwise set the slope of
@@ -134,13 +136,13 @@ class StepCost:
         key = bucket(rows)
         if key not in self._theta:
             if -1 not in self._theta:
-                prior = np.zeros(4)
+                prior = np.zeros(3)
                 if self.prefill.steps >= 2:
                     prior[1] = max(0.0, self.prefill.solve(np.zeros(2), np.array([0.0, PRIOR_WEIGHT]))[1])
-                self._theta[-1] = self.decode.solve(prior, np.array([0.0, PRIOR_WEIGHT, PRIOR_WEIGHT, PRIOR_WEIGHT]))
+                self._theta[-1] = self.decode.solve(prior, np.array([0.0, PRIOR_WEIGHT, PRIOR_WEIGHT]))
             mine = np.zeros(2 * BUCKETS)
             mine[2 * key: 2 * key + 2] = 1.0
-            self._theta[key] = self.decode.solve(self._theta[-1], np.full(4, BUCKET_PRIOR), mine)
+            self._theta[key] = self.decode.solve(self._theta[-1], np.full(3, BUCKET_PRIOR), mine)
         return self._theta[key]
 
     def explored(self, rows: int) -> bool:
@@ -150,9 +152,9 @@ class StepCost:
 
     def verify_seconds(self, rows: int, drafts: np.ndarray) -> np.ndarray:
         """Predicted execute seconds of a decode step of `rows` rows and `drafts` drafts (array)."""
-        a, b, e, f = self.theta(rows)
+        a, b, e = self.theta(rows)
         d = np.asarray(drafts, dtype=np.float64)
-        return np.maximum(a + b * (rows + d) + max(e, -b) * d + max(f, 0.0) * (d > 0), 1e-9)
+        return np.maximum(a + b * (rows + d) + max(e, -b) * d, 1e-9)
 
     def proposer_seconds(self, forwards: np.ndarray) -> np.ndarray:
         return self.overhead + self.per_forward * np.asarray(forwards, dtype=np.float64)
@@ -161,7 +163,7 @@ class StepCost:
         """The acceptance a draft needs to pay its marginal verification at `rows` rows (0 until ready)."""
         if not self.ready or rows <= 0:
             return 0.0
-        _, b, e, _ = self.theta(rows)
+        _, b, e = self.theta(rows)
         return max(0.0, b + e) * rows / float(self.verify_seconds(rows, 0))
 
     def cap(self, rows: int, alpha: np.ndarray, ks: np.ndarray, forwards: Callable[[int], int]) -> int:
@@ -186,8 +188,8 @@ class StepCost:
         """One line for bench output: the fit at `rows` rows."""
         if not self.ready:
             return f"cost model not fitted yet ({self.decode.steps} decode steps)"
-        a, b, e, f = self.theta(rows)
+        _, b, e = self.theta(rows)
         return (f"step {self.verify_seconds(rows, 0).item() * 1e3:.1f} ms at {rows} rows; a draft token "
-                f"+{(b + e) * 1e3:.2f} ms, a drafting step +{max(f, 0) * 1e3:.2f} ms, proposer "
+                f"+{max(b + e, 0) * 1e3:.2f} ms, proposer "
                 f"{self.overhead * 1e3:.2f} ms + {self.per_forward * 1e3:.2f} ms/forward; "
                 f"a draft pays above acceptance {self.threshold(rows):.2f}")
