@@ -360,7 +360,7 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         if self.spec_decoder is not None:     # record this step's acceptance, propose the next drafts
-            self.spec_decoder.step(result.spec, self.scheduler.running, so.total_num_scheduled_tokens, elapsed)
+            self.spec_decoder.step(result.spec, self.scheduler.running, so, elapsed)
         return outputs
 
     def _sampling_now(self, so) -> list[str]:
