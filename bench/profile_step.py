@@ -1,11 +1,11 @@
 """Where an engine step's time goes: schedule, input prep, forward, sample, update.
 
-    python -m bench.profile_step [--threads 1] [--decodes 64,256] [--decode-steps 30]
+    python -m bench.profile_step [--model tiny-llama] [--threads 1] [--decodes 64,256] [--decode-steps 30]
         [--workload/--no-workload] [--prefix-caching] [--cprofile N] [--torch-profile]
         [--against GIT_REF]
 
-Two measurements on the tiny random Llama of `bench.throughput` (hidden 256, 4 layers,
-vocab 32000, fp32):
+Two measurements, by default on the tiny random Llama of `bench.throughput` (hidden 256,
+4 layers, vocab 32000, fp32; `--model smollm2` or any model `bench.throughput` takes):
 - the throughput workload (64 requests, prompts 64-256 tokens, 64 greedy new tokens each,
   max_num_seqs=64, max_num_batched_tokens=2048) through `LLM.generate`, with tok/s;
 - a steady-state decode microbench: N requests are prefilled, then `--decode-steps` steps
@@ -49,9 +49,23 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from bench.throughput import TINY_LLAMA, ensure_tiny_llama, make_workload  # noqa: E402
+from bench.throughput import make_workload, resolve_model  # noqa: E402
 
 PHASES = ("schedule", "prep", "forward", "sample", "update")
+MODEL: dict = {}    # --model: "name", "path" and the "vocab" the random prompts draw from
+
+
+def set_model(name: str) -> None:
+    label, path = resolve_model(name)
+    from models import resolve_spec
+    MODEL.update(name=label, path=str(path), vocab=resolve_spec(path).vocab_size)
+
+
+def model() -> dict:
+    """The model set by `set_model` (tiny Llama for callers that set none, e.g. bench/test_bench_engine.py)."""
+    if not MODEL:
+        set_model("tiny-llama")
+    return MODEL
 
 
 @dataclass
@@ -210,7 +224,7 @@ def make_engine(max_num_seqs: int, ref: str | None = None):
     from runtime.config import EngineConfig
     from runtime.engine import Engine
     cfg = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, dtype="float32")
-    engine = Engine(str(ensure_tiny_llama()), cfg)
+    engine = Engine(model()["path"], cfg)
     swap_in(engine, ref)
     return engine
 
@@ -236,14 +250,14 @@ def median_row(rows: list[dict]) -> dict:
 
 def run_workload(args) -> dict:
     from runtime import LLM, SamplingParams
-    prompts = make_workload(64, 64, 256, TINY_LLAMA["vocab_size"], seed=0)
+    prompts = make_workload(64, 64, 256, model()["vocab"], seed=0)
     sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     reqs = [{"prompt_token_ids": p} for p in prompts]
     runs = {}
     for ref in variants(args):
         # Prefix caching off by default: with it, every round after the first would find its
         # prompts cached by the previous round and skip most of the prefill.
-        llm = LLM(str(ensure_tiny_llama()), max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
+        llm = LLM(model()["path"], max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
                   enable_prefix_caching=args.prefix_caching)
         swap_in(llm.engine, ref)
         timer = StepTimer(llm.engine)
@@ -259,7 +273,7 @@ def run_workload(args) -> dict:
         run["outputs"] = [o.outputs[0].token_ids for o in outs]
     for ref, run in runs.items():
         tok_s = run["tok_s"]
-        print(f"tiny-llama workload [{label(ref)}]: {statistics.median(tok_s):.1f} out tok/s median "
+        print(f"{model()['name']} workload [{label(ref)}]: {statistics.median(tok_s):.1f} out tok/s median "
               f"({', '.join(f'{t:.1f}' for t in tok_s)})")
         print_table("  all steps (median round)", median_row(run["rows"]))
     if args.against is not None:
@@ -278,7 +292,7 @@ def prefill_to_decode(engine, n: int, max_tokens: int) -> None:
     # FINAL_ONLY, as LLM.generate asks for: the decode steps are then the offline path's.
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                         output_kind=RequestOutputKind.FINAL_ONLY)
-    for p in make_workload(n, 64, 256, TINY_LLAMA["vocab_size"], seed=1):
+    for p in make_workload(n, 64, 256, model()["vocab"], seed=1):
         engine.add_request(engine.make_request({"prompt_token_ids": p}, sp))
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.running):
@@ -342,6 +356,7 @@ def run_torch_profile(engine, steps: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model", default="tiny-llama", help="tiny-llama | smollm2 | gemma3 | spec yaml | HF dir")
     ap.add_argument("--decodes", default="64,256", help="comma list of running-request counts")
     ap.add_argument("--decode-steps", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
@@ -355,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run with the torch backend and sampler of this git ref, alternating; print ratios")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
+    set_model(args.model)
+    print(f"{model()['name']}: torch {torch.__version__}, threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}")
     if args.workload:
         run_workload(args)
     for n in [int(x) for x in args.decodes.split(",") if x.strip()]:

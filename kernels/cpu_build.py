@@ -41,9 +41,16 @@ _state: dict = {}          # "ok": bool once a build was attempted; "seconds": b
                            # "library": path of the loaded shared library
 
 
+_switch = ["1", True]       # the last ZOOINFER_CPU_KERNELS value seen and what it means
+
+
 def enabled() -> bool:
-    """False when ZOOINFER_CPU_KERNELS=0 (read on every call, so tests can toggle it)."""
-    return os.environ.get("ZOOINFER_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "off", "no")
+    """False when ZOOINFER_CPU_KERNELS=0 (read on every call, so tests can toggle it; the
+    parse is memoised on the raw value: the fused ops ask several times per layer per step)."""
+    raw = os.environ.get("ZOOINFER_CPU_KERNELS", "1")
+    if raw != _switch[0]:
+        _switch[:] = [raw, raw.strip().lower() not in ("0", "false", "off", "no")]
+    return _switch[1]
 
 
 def _cpu_key() -> str:

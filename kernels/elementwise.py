@@ -23,33 +23,31 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}   # activation name -> the act_mul ker
 
 def use_kernel(*tensors: torch.Tensor) -> bool:
     """Whether the fused ops can run on these tensors now (eager, fp32 CPU, no grad, built)."""
-    if torch.compiler.is_compiling() or not ENABLED or torch.is_grad_enabled():
+    if not ENABLED or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype != torch.float32:
-            return False
-    return cpu_build.available()
+    f32 = torch.float32
+    return all(t.dtype == f32 and t.is_cpu for t in tensors) and cpu_build.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
     """x * rsqrt(mean(x^2, -1) + eps) * (weight + offset) over the last dim; x may be a
     strided view of up to 3 dims (q or k heads of the qkv output). Returns a new tensor."""
-    return torch.ops.zooinfer_cpu.rms_norm(x, weight, float(eps), float(offset))
+    return torch.ops.zooinfer_cpu.rms_norm.default(x, weight, float(eps), float(offset))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
                  multiplier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + x * multiplier), residual + x * multiplier), one pass; inputs untouched."""
-    return torch.ops.zooinfer_cpu.add_rms_norm(x, residual, weight, float(eps), float(offset), float(multiplier))
+    return torch.ops.zooinfer_cpu.add_rms_norm.default(x, residual, weight, float(eps), float(offset), float(multiplier))
 
 
 def act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up for gate_up = [tokens, 2 * I] (gate first); activation in ACTIVATIONS."""
-    return torch.ops.zooinfer_cpu.act_mul(gate_up, ACTIVATIONS[activation])
+    return torch.ops.zooinfer_cpu.act_mul.default(gate_up, ACTIVATIONS[activation])
 
 
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox rope of q [T, H, D] and k [T, Hk, D] (strided views are fine) over the first
     2 * cos.shape[1] dims, cos/sin tables indexed by position. Returns new contiguous q, k."""
-    return torch.ops.zooinfer_cpu.rope(positions, q, k, cos, sin)
+    return torch.ops.zooinfer_cpu.rope.default(positions, q, k, cos, sin)

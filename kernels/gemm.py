@@ -28,7 +28,7 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """`F.linear(x, W, bias)` for fp32 x `[M, K]` (rows contiguous) and W `[n, K]` given as its
     panels (`pack_panels`). Needs the kernel library (`cpu_build.available()`)."""
-    return torch.ops.zooinfer_cpu.panel_linear(x, panels, n, bias)
+    return torch.ops.zooinfer_cpu.panel_linear.default(x, panels, n, bias)
 
 
 def panel_linear_blocked(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -36,4 +36,4 @@ def panel_linear_blocked(x: torch.Tensor, panels: torch.Tensor, n: int, bias: to
     x packed into 14-row tiles, the partial sums kept in registers over 256-step k blocks, the
     rows split between threads. Same panels, same result to fp32 rounding; `kernels.gemm_choice`
     decides from how many rows it runs, by measuring it against MKL at start-up."""
-    return torch.ops.zooinfer_cpu.panel_linear_blocked(x, panels, n, bias)
+    return torch.ops.zooinfer_cpu.panel_linear_blocked.default(x, panels, n, bias)

@@ -10,7 +10,10 @@ vendor, `choice()` times the candidates at start-up on two small products (about
 in all) and keeps the winners:
 - `large`: the kernel for products of more than `prepack.PANEL_MAX_ROWS` rows (prefill chunks):
   "blocked" (the blocked panel kernel on the linear's panels) or "mkl" (`F.linear`), timed at
-  `LARGE_SHAPE`;
+  `LARGE_SHAPE`; MKL needs to be `MKL_MARGIN` faster to win. Blocked agrees bit for bit with the
+  decode panel kernel (a prompt's logits do not depend on how it was chunked), and on Zen 4 the two
+  measured within 1-10% of each other, so without a margin the probe picked either from one process
+  to the next (two server starts on one machine gave different fp32 roundings);
 - `panels_in_cache`: whether the panel kernel beat MKL's packed GEMM (`_mkl_linear`) at
   `SMALL_SHAPE` on a cached weight, i.e. whether models whose weights fit the last-level cache
   get panels too (`prepack.choose_kind`).
@@ -41,6 +44,7 @@ CHOICES = ("blocked", "mkl")
 LARGE_SHAPE = (512, 512, 1024)   # (rows, K, N): a prefill-sized product on a 2 MB weight
 SMALL_SHAPE = (32, 512, 1024)    # a decode-sized one on the same weight
 REPEATS = 7
+MKL_MARGIN = 1.05                # MKL must beat blocked by this factor to be chosen for large products
 
 _lock = threading.Lock()
 _choice: list = []
@@ -103,7 +107,8 @@ def _measure() -> GemmChoice:
                            "mkl": lambda: torch.ops.mkl._mkl_linear(xs, packed, w, None, ms)}, 2 * ms * k * n)
             rates.update({f"{ms}-row panel": small["panel"], f"{ms}-row mkl packed": small["mkl"]})
             panels_in_cache = small["panel"] > small["mkl"]
-    return GemmChoice("blocked" if large["blocked"] > large["mkl"] else "mkl", panels_in_cache, "measured", rates)
+    large_kind = "mkl" if large["mkl"] > MKL_MARGIN * large["blocked"] else "blocked"
+    return GemmChoice(large_kind, panels_in_cache, "measured", rates)
 
 
 def choice() -> GemmChoice:

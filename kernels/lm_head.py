@@ -52,7 +52,7 @@ def linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor
     """`(x @ W.T).argmax(-1)` without the logits (first index of the maximum, NaN wins, as
     torch.argmax); x [M, K], W [n, K] given as its column panels (`gemm.pack_panels`).
     Returns int64 [M]."""
-    return torch.ops.zooinfer_cpu.linear_argmax(x, panels, n)
+    return torch.ops.zooinfer_cpu.linear_argmax.default(x, panels, n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ def usable_screen_isas() -> list[str]:
     library."""
     if not cpu_build.available():
         return []
-    return (["amx"] if cpu_build.amx_available() else []) + list(torch.ops.zooinfer_cpu.lane_screen_isas())
+    return (["amx"] if cpu_build.amx_available() else []) + list(torch.ops.zooinfer_cpu.lane_screen_isas.default())
 
 
 def screen_isa() -> str | None:
@@ -141,15 +141,15 @@ def screened_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, screen: Bf16S
     """The same tokens as `linear_argmax(x, panels, n)`, screened on the head's bf16 copy
     (`screen`) and decided in fp32 among the rows the screen cannot rule out. Returns int64 [M]."""
     if screen.isa == "amx":
-        return torch.ops.zooinfer_cpu.screened_argmax(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
+        return torch.ops.zooinfer_cpu.screened_argmax.default(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
                                                       screen.dw_norm)
-    return torch.ops.zooinfer_cpu.screened_argmax_lanes(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
+    return torch.ops.zooinfer_cpu.screened_argmax_lanes.default(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
                                                         screen.dw_norm, screen.isa)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(-1)` of a float32 CPU matrix in one vectorised pass per row. Returns int64 [rows]."""
-    return torch.ops.zooinfer_cpu.argmax_rows(x)
+    return torch.ops.zooinfer_cpu.argmax_rows.default(x)
 
 
 _ARGMAX_CHUNK = 128

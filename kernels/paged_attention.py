@@ -61,7 +61,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Ten
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
-    torch.ops.zooinfer_cpu.paged_decode(q, kv_cache, block_table, rows, token_index, seq_lens,
+    torch.ops.zooinfer_cpu.paged_decode.default(q, kv_cache, block_table, rows, token_index, seq_lens,
                                         0 if window is None else int(window), float(scale), _f32(sinks), out)
 
 
@@ -81,7 +81,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Te
     """
     if q.stride(-1) != 1:
         q = q.contiguous()
-    torch.ops.zooinfer_cpu.paged_prefill(q, kv_cache, block_table, rows, query_start, query_lens, seq_lens,
+    torch.ops.zooinfer_cpu.paged_prefill.default(q, kv_cache, block_table, rows, query_start, query_lens, seq_lens,
                                          0 if window is None else int(window), float(scale), _f32(sinks), out)
 
 
@@ -100,10 +100,10 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: to
     def rows_ok(x: torch.Tensor) -> bool:
         dtype_ok = x.dtype == kv_cache.dtype != torch.int8 or (
             x.dtype == torch.float32 and kv_cache.dtype in (torch.bfloat16, torch.int8))   # converts on store
-        return (x.dim() == 3 and dtype_ok and x.device.type == "cpu" and x.stride(2) == 1
+        return (x.dim() == 3 and dtype_ok and x.is_cpu and x.stride(2) == 1
                 and (x.shape[1] == 1 or x.stride(1) == x.shape[2]))
-    if not (kv_cache.device.type == "cpu" and pages_contiguous(kv_cache) and slots.dtype == torch.int64
+    if not (kv_cache.is_cpu and pages_contiguous(kv_cache) and slots.dtype == torch.int64
             and rows_ok(k) and rows_ok(v) and cpu_build.available()):
         return False
-    torch.ops.zooinfer_cpu.write_kv(kv_cache, k, v, slots)
+    torch.ops.zooinfer_cpu.write_kv.default(kv_cache, k, v, slots)
     return True

@@ -3,6 +3,10 @@
 The layout (`models.quant.QuantWeight` builds it): w[n, k] = scale[n, k // G] * (q[n, k] - zero)
 + min[n, k // G]; 4-bit weights two per byte (a 32-weight block is 16 bytes, byte j = weight j
 low nibble | weight j + 16 high nibble), 8-bit ones int8. K must be a multiple of 32 and of G.
+Storage as GGUF files ship it (kernels/cpu/quant_storage.h), given by the keyword arguments:
+5- / 6-bit q as the 4-bit nibbles plus `qh` (int32 high-bit planes, one word per 32-weight
+block and plane), two-level scales as int8 `scale` / `minv` times float16 `scale_d` / `minv_d`
+per super-block.
 
 `isa` picks the instruction path: -1 the best this CPU has (`best_isa`), 0 scalar C++, 1 AVX2 +
 FMA, 2 AVX-512; all are built into the one library (per-function target attributes), so tests
@@ -29,15 +33,18 @@ def best_isa() -> int:
 
 
 def quant_linear(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
-                 bits: int, group: int, zero: int, bias: torch.Tensor | None, isa: int = -1) -> torch.Tensor:
+                 bits: int, group: int, zero: int, bias: torch.Tensor | None, isa: int = -1, *,
+                 qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                 min_d: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, W, bias)` for fp32 x [M, K] and the quantized W [N, K] (layout above)."""
-    return torch.ops.zooinfer_cpu.quant_linear(x, qs, scale, minv, bits, group, zero, bias, isa)
+    return torch.ops.zooinfer_cpu.quant_linear(x, qs, scale, minv, bits, group, zero, bias, isa, qh, scale_d, min_d)
 
 
 def dequantize(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int,
-               zero: int, k: int, isa: int = -1) -> torch.Tensor:
+               zero: int, k: int, isa: int = -1, *, qh: torch.Tensor | None = None,
+               scale_d: torch.Tensor | None = None, min_d: torch.Tensor | None = None) -> torch.Tensor:
     """W [N, k] in fp32 (each weight `scale * q + (min - zero * scale)`, one FMA)."""
-    return torch.ops.zooinfer_cpu.quant_dequantize(qs, scale, minv, bits, group, zero, k, isa)
+    return torch.ops.zooinfer_cpu.quant_dequantize(qs, scale, minv, bits, group, zero, k, isa, qh, scale_d, min_d)
 
 
 @functools.cache
@@ -47,9 +54,11 @@ def q8_available() -> bool:
 
 
 def quant_linear_q8(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
-                    bits: int, group: int, zero: int, bias: torch.Tensor | None) -> torch.Tensor:
+                    bits: int, group: int, zero: int, bias: torch.Tensor | None, *,
+                    qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                    min_d: torch.Tensor | None = None) -> torch.Tensor:
     """`quant_linear` for at most `Q8_MAX_ROWS` rows, x rounded to int8 per 32-block first."""
-    return torch.ops.zooinfer_cpu.quant_linear_q8(x, qs, scale, minv, bits, group, zero, bias)
+    return torch.ops.zooinfer_cpu.quant_linear_q8(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d)
 
 
 def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,16 +5,16 @@ quant_gguf.py) and the loader's own int8 / int4 all decode as
 
     w[n, k] = scale[n, k // G] * (q[n, k] - zero) + min[n, k // G]          (min optional)
 
-with 4-bit q (two per byte, unsigned, `zero` 8 for symmetric formats) or 8-bit q (int8), and
-scale / min per group of G weights: fp16 where the format's own are (the legacy GGUF formats, so
-Q4_1 takes the file's 5 bits per weight), fp32 otherwise. Every format is repacked into it
-without loss: the K-quants' 6- and 8-bit sub-scales times their fp16 super-scale are exact in
-fp32, 5- and 6-bit values fit int8. So two kernels (kernels/cpu/quant_gemm.cpp: 4- and 8-bit) serve all formats, and
-`QuantWeight.dequantize` computes exactly what gguf's numpy `dequantize` computes (same
-operations in the same order; tests/test_quant.py checks it bit for bit on every format).
-The cost of the repack is memory for the K-quants: fp32 scales take 1 (G=32) or 2 (G=16) bits per
-weight where a GGUF super-block holds 6-bit ones, and 5/6-bit formats are widened to 8 bits
-(bytes per weight are in `QuantWeight.nbytes`, printed by bench/quant.py).
+with q of 4 bits (two per byte, unsigned, `zero` 8 for symmetric formats), 5 or 6 bits (the low
+4 as 4-bit ones plus 1 or 2 planes of high bits, `qh`: Q5_0 / Q5_1 / Q5_K / Q6_K as they ship) or
+8 bits (int8), and scale / min per group of G weights: fp16 where the format's own are (the
+legacy GGUF formats), two-level where the format ships them so (the K-quants: an int8 sub-scale
+per group times an fp16 super-scale `scale_d` / `min_d` per 256 weights), fp32 otherwise. So
+every GGUF weight takes in memory at most the bits its file gives it (the K-quants' 6-bit
+sub-scales take 8: 1/8 bit per weight more), and the kernels (kernels/cpu/quant_gemm.cpp, which
+expand the storage a tile at a time, exactly) serve all formats. `QuantWeight.dequantize`
+computes exactly what gguf's numpy `dequantize` computes (same operations in the same order;
+tests/test_quant.py checks it bit for bit on every format).
 
 `QuantEmbedding` looks rows up in a `QuantWeight` (a tied head's: models/quant_gguf.py), so a
 tied model does not keep a float copy of its embedding beside the quantized head.
@@ -26,6 +26,7 @@ torch.compile it is the opaque custom op `zooinfer::quant_linear`.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -40,14 +41,18 @@ from models.spec import QUANT_ACTIVATIONS as ACTIVATIONS
 @dataclass(slots=True)
 class QuantWeight:
     """A weight [n, k] in the layout above; K is padded to `k_pad` (zero weights) when needed."""
-    bits: int                    # 4 or 8
-    group: int                   # G: weights per scale (a multiple of 32 for 4-bit, of 16 for 8-bit)
+    bits: int                    # 4, 5, 6 (4-bit qs + `qh`) or 8
+    group: int                   # G: weights per scale (a multiple of 32 for 4-bit, of 16 otherwise)
     zero: int                    # subtracted from q before scaling (8: symmetric 4-bit formats)
-    qs: torch.Tensor             # uint8 [n, k_pad // 2] (4-bit) or int8 [n, k_pad]
-    scale: torch.Tensor          # float32 or float16 [n, k_pad // G]
+    qs: torch.Tensor             # uint8 [n, k_pad // 2] (4-6 bits: the low 4) or int8 [n, k_pad]
+    scale: torch.Tensor          # float32 or float16 [n, k_pad // G]; int8 sub-scales with `scale_d`
     min: torch.Tensor | None     # same dtype as scale, [n, k_pad // G], or None
     k: int                       # the true in-features
     fmt: str = ""                # where it came from (Q4_1, int8, ...), for reports
+    qh: torch.Tensor | None = None       # bits 5 / 6: int32 [n, k_pad // 32, bits - 4], bit j of plane p
+                                         # = bit 4 + p of the 32-weight block's weight j
+    scale_d: torch.Tensor | None = None  # two-level: float16 [n, k_pad // S], scale = scale_d * scale
+    min_d: torch.Tensor | None = None    # likewise for min
 
     @property
     def n(self) -> int:
@@ -57,48 +62,73 @@ class QuantWeight:
     def k_pad(self) -> int:
         return self.scale.shape[1] * self.group
 
+    def tensors(self) -> tuple:
+        return (self.qs, self.scale, self.min, self.qh, self.scale_d, self.min_d)
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.scale, self.min) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+    @property
+    def storage(self) -> dict:
+        """The storage-only tensors, as the kernel wrappers' keyword arguments (kernels/quant_gemm.py)."""
+        return {"qh": self.qh, "scale_d": self.scale_d, "min_d": self.min_d}
+
+    def _replace(self, **kw) -> QuantWeight:
+        return dataclasses.replace(self, **kw)
 
     def values(self) -> torch.Tensor:
-        """q as int16 [n, k_pad] (4-bit values unpacked, zero not subtracted)."""
+        """q as int16 [n, k_pad] (4-6 bit values unpacked, zero not subtracted)."""
         if self.bits == 8:
             return self.qs.to(torch.int16)
         b = self.qs.view(self.n, -1, 16)
-        return torch.cat((b & 15, b >> 4), dim=-1).reshape(self.n, -1).to(torch.int16)
+        q = torch.cat((b & 15, b >> 4), dim=-1).to(torch.int16)
+        if self.qh is not None:
+            planes = self.qh.view(self.n, -1, self.bits - 4, 1)
+            lane = torch.arange(32, dtype=torch.int32)
+            for p in range(self.bits - 4):
+                q = q + (((planes[:, :, p] >> lane) & 1).to(torch.int16) << (4 + p))
+        return q.reshape(self.n, -1)
+
+    def float_scales(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, min) as fp32 [n, k_pad // G]: fp16 widened, two-level as the one product d * s."""
+        def widen(t, d):
+            if t is None or d is None:
+                return None if t is None else t.float()
+            return d.float().repeat_interleave(t.shape[1] // d.shape[1], dim=1) * t.float()
+        return widen(self.scale, self.scale_d), widen(self.min, self.min_d)
 
     def dequantize(self) -> torch.Tensor:
         """The fp32 weight [n, k]: scale * (q - zero) [+ min], unfused, as gguf's numpy does."""
+        scale, minv = self.float_scales()
         q = (self.values() - self.zero).to(torch.float32)
-        w = self.scale.float().repeat_interleave(self.group, dim=1) * q
-        if self.min is not None:
-            w = w + self.min.float().repeat_interleave(self.group, dim=1)
+        w = scale.repeat_interleave(self.group, dim=1) * q
+        if minv is not None:
+            w = w + minv.repeat_interleave(self.group, dim=1)
         return w[:, :self.k]
 
     def regroup(self, group: int) -> QuantWeight:
         """The same weight with groups of `group` (a divisor of G): scales repeated, exact."""
         r = self.group // group
         rep = (lambda t: None if t is None else t.repeat_interleave(r, dim=1).contiguous())
-        return QuantWeight(self.bits, group, self.zero, self.qs, rep(self.scale), rep(self.min), self.k, self.fmt)
+        return self._replace(group=group, scale=rep(self.scale), min=rep(self.min))
 
     def to_8bit(self) -> QuantWeight:
-        """4-bit values widened to int8 with the zero folded in (q - zero, exact)."""
+        """4-6 bit values widened to int8 with the zero folded in (q - zero, exact)."""
         if self.bits == 8:
             return self
         q = (self.values() - self.zero).to(torch.int8).contiguous()
-        return QuantWeight(8, self.group, 0, q, self.scale, self.min, self.k, self.fmt)
+        return self._replace(bits=8, zero=0, qs=q, qh=None)
 
     def with_float_scales(self) -> QuantWeight:
-        """The same weight with fp32 scale / min (fp16 ones widen exactly)."""
-        f = (lambda t: None if t is None else t.float())
-        return QuantWeight(self.bits, self.group, self.zero, self.qs, f(self.scale), f(self.min), self.k, self.fmt)
+        """The same weight with fp32 scale / min (fp16 and two-level ones are exact in fp32)."""
+        scale, minv = self.float_scales()
+        return self._replace(scale=scale, min=minv, scale_d=None, min_d=None)
 
     def take_rows(self, index: torch.Tensor) -> QuantWeight:
         """Rows in the order `index` (a row permutation is exact on row-wise blocks)."""
         pick = (lambda t: None if t is None else t[index].contiguous())
-        return QuantWeight(self.bits, self.group, self.zero, pick(self.qs), pick(self.scale), pick(self.min),
-                           self.k, self.fmt)
+        return self._replace(**{f: pick(getattr(self, f)) for f in ("qs", "scale", "min", "qh", "scale_d", "min_d")})
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -107,10 +137,20 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (b[..., :16] | (b[..., 16:] << 4)).reshape(q.shape[0], -1).contiguous()
 
 
+def pack_high_bits(q: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values 0 .. 2^bits - 1 [n, k] (k % 32 == 0, bits 5 or 6) -> (the low 4 bits as `pack_nibbles`,
+    qh int32 [n, k // 32, bits - 4]: bit j of plane p = bit 4 + p of the block's weight j)."""
+    b = q.to(torch.int64).view(q.shape[0], -1, 32)
+    lane = torch.arange(32, dtype=torch.int64)
+    words = torch.stack([(((b >> (4 + p)) & 1) << lane).sum(-1) for p in range(bits - 4)], dim=-1)
+    qh = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)      # uint32 bits as int32
+    return pack_nibbles((b & 15).view(q.shape[0], -1)), qh.contiguous()
+
+
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     """Stack weights of one K along the rows (a fused qkv / gate_up projection). Parts of
-    different formats are brought to one losslessly: the smallest group, 8-bit if any is, a
-    zero min where one part has none."""
+    different formats are brought to one losslessly: the smallest group, 8-bit if the value
+    widths or zeros differ, fp32 scales if their storage differs, a zero min where one part has none."""
     if len(parts) == 1:
         return parts[0]
     if len({p.k_pad for p in parts}) != 1:
@@ -118,17 +158,16 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     group = math.gcd(*(p.group for p in parts))
     same = len({(p.bits, p.zero) for p in parts}) == 1
     parts = [p.regroup(group) if same else p.regroup(group).to_8bit() for p in parts]
-    if len({p.scale.dtype for p in parts}) > 1:     # fp16 and fp32 scales: fp32 (exact)
+    kinds = {(p.scale.dtype, None if p.scale_d is None else p.scale_d.shape[1]) for p in parts}
+    if len(kinds) > 1:           # fp16 / two-level / fp32 scales mixed: fp32 (exact)
         parts = [p.with_float_scales() for p in parts]
-    mins = [p.min for p in parts]
-    if any(m is not None for m in mins):
-        mins = [torch.zeros_like(p.scale) if m is None else m for p, m in zip(parts, mins)]
-        minv = torch.cat(mins)
-    else:
-        minv = None
+    if any(p.min is not None for p in parts):
+        parts = [p if p.min is not None else
+                 p._replace(min=torch.zeros_like(p.scale),
+                            min_d=None if p.scale_d is None else torch.zeros_like(p.scale_d)) for p in parts]
+    cat = (lambda f: None if getattr(parts[0], f) is None else torch.cat([getattr(p, f) for p in parts]))
     fmt = "+".join(dict.fromkeys(p.fmt for p in parts))
-    return QuantWeight(parts[0].bits, group, parts[0].zero, torch.cat([p.qs for p in parts]),
-                       torch.cat([p.scale for p in parts]), minv, parts[0].k, fmt)
+    return parts[0]._replace(fmt=fmt, **{f: cat(f) for f in ("qs", "scale", "min", "qh", "scale_d", "min_d")})
 
 
 def _padded_groups(w: torch.Tensor, group: int) -> tuple[torch.Tensor, int]:
@@ -175,7 +214,7 @@ def quantize_int4(w: torch.Tensor, group: int = 32, symmetric: bool = True) -> Q
 
 
 def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, k: int,
-            bias: torch.Tensor | None, act_int8: bool = False) -> torch.Tensor:
+            bias: torch.Tensor | None, act_int8: bool = False, qh=None, scale_d=None, min_d=None) -> torch.Tensor:
     rows = x.numel() // k if k else 0
     n = qs.shape[0]
     x2 = x.reshape(rows, k).float()
@@ -183,13 +222,14 @@ def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, 
     if k_pad != k:
         x2 = F.pad(x2, (0, k_pad - k))
     b = None if bias is None else bias.float()
+    storage = {"qh": qh, "scale_d": scale_d, "min_d": min_d}
     if x2.device.type == "cpu" and cpu_build.available():
         if act_int8 and rows <= quant_gemm.Q8_MAX_ROWS and quant_gemm.q8_available():
-            out = quant_gemm.quant_linear_q8(x2, qs, scale, minv, bits, group, zero, b)
+            out = quant_gemm.quant_linear_q8(x2, qs, scale, minv, bits, group, zero, b, **storage)
         else:
-            out = quant_gemm.quant_linear(x2, qs, scale, minv, bits, group, zero, b)
+            out = quant_gemm.quant_linear(x2, qs, scale, minv, bits, group, zero, b, **storage)
     else:   # no kernel library: dequantize in torch (correct, slower)
-        w = QuantWeight(bits, group, zero, qs, scale, minv, k_pad).dequantize()
+        w = QuantWeight(bits, group, zero, qs, scale, minv, k_pad, "", qh, scale_d, min_d).dequantize()
         out = F.linear(x2, w, b)
     return out.to(x.dtype).view(*x.shape[:-1], n)
 
@@ -197,17 +237,36 @@ def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, 
 @torch.library.custom_op("zooinfer::quant_linear", mutates_args=())
 def quant_linear_op(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
                     bits: int, group: int, zero: int, k: int, bias: torch.Tensor | None,
-                    act_int8: bool = False) -> torch.Tensor:
+                    act_int8: bool = False, qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                    min_d: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, W, bias)` with W given quantized (`QuantWeight` fields)."""
-    return _matmul(x, qs, scale, minv, bits, group, zero, k, bias, act_int8)
+    return _matmul(x, qs, scale, minv, bits, group, zero, k, bias, act_int8, qh, scale_d, min_d)
 
 
 @quant_linear_op.register_fake
-def _(x, qs, scale, minv, bits, group, zero, k, bias, act_int8=False):
+def _(x, qs, scale, minv, bits, group, zero, k, bias, act_int8=False, qh=None, scale_d=None, min_d=None):
     return x.new_empty((*x.shape[:-1], qs.shape[0]))
 
 
-class QuantLinear(nn.Module):
+_BUFFERS = {"qs": "qs", "scale": "scale", "minv": "min", "qh": "qh", "scale_d": "scale_d", "min_d": "min_d"}
+
+
+class _QuantBuffers(nn.Module):
+    """A `QuantWeight` held as (non-persistent) buffers, so `.to()` and `weight_bytes` see them."""
+
+    def _hold(self, qw: QuantWeight) -> None:
+        self.bits, self.group, self.zero, self.fmt = qw.bits, qw.group, qw.zero, qw.fmt
+        for buf, field in _BUFFERS.items():
+            self.register_buffer(buf, getattr(qw, field), persistent=False)
+
+    def _qweight(self, k: int, pick=None) -> QuantWeight:
+        tensors = {field: getattr(self, buf) for buf, field in _BUFFERS.items()}
+        if pick is not None:
+            tensors = {f: None if t is None else pick(t) for f, t in tensors.items()}
+        return QuantWeight(self.bits, self.group, self.zero, k=k, fmt=self.fmt, **tensors)
+
+
+class QuantLinear(_QuantBuffers):
     """An `nn.Linear` whose weight is a `QuantWeight` (the float weight is dropped). `weight`
     gives the dequantized fp32 weight on demand, for the rare code that reads it directly.
     `activations="int8"`: decode steps (up to 16 rows) round x to int8 per 32-block and use
@@ -220,15 +279,12 @@ class QuantLinear(nn.Module):
             raise ValueError(f"quantization.activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.act_int8 = activations == "int8"
         self.in_features, self.out_features = qw.k, qw.n
-        self.bits, self.group, self.zero, self.fmt = qw.bits, qw.group, qw.zero, qw.fmt
-        self.register_buffer("qs", qw.qs, persistent=False)
-        self.register_buffer("scale", qw.scale, persistent=False)
-        self.register_buffer("minv", qw.min, persistent=False)
+        self._hold(qw)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
 
     @property
     def qweight(self) -> QuantWeight:
-        return QuantWeight(self.bits, self.group, self.zero, self.qs, self.scale, self.minv, self.in_features, self.fmt)
+        return self._qweight(self.in_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -236,7 +292,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         args = (x, self.qs, self.scale, self.minv, self.bits, self.group, self.zero, self.in_features, self.bias,
-                self.act_int8)
+                self.act_int8, self.qh, self.scale_d, self.min_d)
         if torch.compiler.is_compiling():
             return torch.ops.zooinfer.quant_linear(*args)
         return _matmul(*args)
@@ -250,7 +306,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of a model's weights: its parameters and the quantized modules' buffers (not other
     buffers such as rope tables), each storage counted once (tied / shared tensors, a
     `QuantEmbedding` sharing its head's blocks)."""
-    quant = [t for m in model.modules() if isinstance(m, (QuantLinear, QuantEmbedding)) for t in m.buffers()]
+    quant = [t for m in model.modules() if isinstance(m, _QuantBuffers) for t in m.buffers()]
     seen: dict[int, int] = {}
     for t in [*model.parameters(), *quant]:
         st = t.untyped_storage()
@@ -258,7 +314,7 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding(_QuantBuffers):
     """An `nn.Embedding` whose table is a `QuantWeight` (shared with a tied `QuantLinear` head):
     each looked-up row is dequantized as `QuantWeight.dequantize` does, so it equals the float
     table that weight decodes to, bit for bit. `weight` dequantizes the whole table on demand."""
@@ -266,15 +322,10 @@ class QuantEmbedding(nn.Module):
     def __init__(self, qw: QuantWeight, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.num_embeddings, self.embedding_dim, self.dtype = qw.n, qw.k, dtype
-        self.bits, self.group, self.zero, self.fmt = qw.bits, qw.group, qw.zero, qw.fmt
-        self.register_buffer("qs", qw.qs, persistent=False)
-        self.register_buffer("scale", qw.scale, persistent=False)
-        self.register_buffer("minv", qw.min, persistent=False)
+        self._hold(qw)
 
     def _rows(self, index: torch.Tensor) -> QuantWeight:
-        pick = (lambda t: None if t is None else t.index_select(0, index))
-        return QuantWeight(self.bits, self.group, self.zero, pick(self.qs), pick(self.scale), pick(self.minv),
-                           self.embedding_dim, self.fmt)
+        return self._qweight(self.embedding_dim, pick=lambda t: t.index_select(0, index))
 
     @property
     def weight(self) -> torch.Tensor:

@@ -1,11 +1,13 @@
 """GGUF block formats kept quantized: raw blocks -> `QuantWeight`, and a model's linears from a GGUF.
 
 `from_blocks` repacks one tensor's blocks (as `gguf.GGUFReader` maps them, never dequantized)
-into the layout of models/quant.py: Q4_0 / Q4_1 keep their nibble bytes as they are, Q4_K's
-nibbles are reordered into 32-weight blocks with d * sc as scale and -(dmin * m) as min,
-Q5_0 / Q5_1 / Q5_K / Q6_K / Q8_0 become int8 (their 5/6/8-bit values, zero point subtracted where
-the format has one); the legacy formats keep their fp16 scales as fp16. Scales are computed with gguf's own numpy operations, so `dequantize()`
-equals `gguf.quants.dequantize` bit for bit (tests/test_quant.py).
+into the layout of models/quant.py at the file's own bits: Q4_0 / Q4_1 / Q5_0 / Q5_1 keep their
+nibble bytes as they are (Q5's fifth bits become one high-bit plane), Q4_K / Q5_K / Q6_K's
+values are reordered into 32-weight blocks (5 / 6 bits: the low 4 plus 1 / 2 planes), Q8_0 is
+int8. Scales stay as the file holds them: fp16 for the legacy formats, two-level for the
+K-quants (sub-scales sc / m as int8 with fp16 d / -dmin per 256 weights, so d * sc and
+-(dmin * m) are the one fp32 product gguf's numpy computes). So `dequantize()` equals
+`gguf.quants.dequantize` bit for bit (tests/test_quant.py).
 
 `quantize_from_gguf` swaps each `nn.Linear` of a built model whose checkpoint tensors are
 quantized in the GGUF for a `QuantLinear`. The model's float weights must already be loaded
@@ -21,34 +23,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from models.quant import QuantEmbedding, QuantLinear, QuantWeight, concat_rows, pack_nibbles
+from models.quant import QuantEmbedding, QuantLinear, QuantWeight, concat_rows, pack_high_bits, pack_nibbles
 
 QK = 32       # weights per block of the legacy formats
 QK_K = 256    # per super-block of the K-quants
 
 
-def _f16(b: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
-
-
 def _h16(b: np.ndarray) -> np.ndarray:
-    """A legacy block's fp16 field kept as fp16 (the kernels widen it exactly)."""
+    """A block's fp16 field kept as fp16 (the kernels widen it exactly)."""
     return np.ascontiguousarray(b).view(np.float16)
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(a))
-
-
-def _low_high(qs: np.ndarray) -> np.ndarray:
-    """Legacy formats: 16 bytes -> 32 nibble values (low nibbles first), [nb, 32] uint8."""
-    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-
-
-def _fifth_bit(qh: np.ndarray) -> np.ndarray:
-    """Q5_0 / Q5_1: the uint32 of high bits -> bit j of weight j, [nb, 32] uint8."""
-    bits = np.ascontiguousarray(qh).view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
-    return (bits & 1).astype(np.uint8)
 
 
 def from_blocks(raw: np.ndarray, qtype: int, k: int, fmt: str = "") -> QuantWeight | None:
@@ -64,15 +51,20 @@ def from_blocks(raw: np.ndarray, qtype: int, k: int, fmt: str = "") -> QuantWeig
     if k % block or raw.shape[1] != k // block * size:
         raise ValueError(f"{fmt}: {raw.shape[1]} bytes per row do not hold {k} weights")
     blocks = np.ascontiguousarray(raw).reshape(-1, size)
-    bits, group, zero, q, scale, minv = _repack_table()[qtype](blocks)
-    nb = k // group
-    if bits == 4 and q.shape[-1] == 16:   # already nibble bytes in the 32-weight block order
+    bits, group, zero, q, scale, minv, *two = _repack_table()[qtype](blocks)
+    rows = (lambda a: None if a is None else _t(a.reshape(n, -1)))
+    qh = None
+    if bits <= 6 and q.shape[-1] == 16:   # nibble bytes already in the 32-weight block order
         qs = _t(q.reshape(n, k // 2))
+        if bits == 5:                      # the legacy Q5's fifth bits: one uint32 per block as it is
+            qh = _t(np.ascontiguousarray(two.pop(0)).view(np.int32).reshape(n, k // 32, 1))
+    elif bits == 8:
+        qs = _t(q.reshape(n, k)).view(torch.int8)
     else:
         q = _t(q.reshape(n, k))
-        qs = pack_nibbles(q) if bits == 4 else q.view(torch.int8)
-    return QuantWeight(bits, group, zero, qs.contiguous(), _t(scale.reshape(n, nb)),
-                       None if minv is None else _t(minv.reshape(n, nb)), k, fmt)
+        qs, qh = (pack_nibbles(q), None) if bits == 4 else pack_high_bits(q, bits)
+    scale_d, min_d = (rows(two[0]), rows(two[1])) if two else (None, None)
+    return QuantWeight(bits, group, zero, qs.contiguous(), rows(scale), rows(minv), k, fmt, qh, scale_d, min_d)
 
 
 def _q4_0(b):   # nibble bytes kept as they are: Q4_0's order is ours
@@ -83,14 +75,12 @@ def _q4_1(b):
     return 4, QK, 0, b[:, 4:], _h16(b[:, :2]), _h16(b[:, 2:4])
 
 
-def _q5_0(b):
-    q = (_low_high(b[:, 6:]) | (_fifth_bit(b[:, 2:6]) << 4)).astype(np.int8) - np.int8(16)
-    return 8, QK, 0, q.view(np.uint8), _h16(b[:, :2]), None
+def _q5_0(b):   # Q4_0's nibbles and a uint32 of fifth bits (bit j: weight j), zero 16
+    return 5, QK, 16, b[:, 6:], _h16(b[:, :2]), None, b[:, 2:6]
 
 
 def _q5_1(b):
-    q = _low_high(b[:, 8:]) | (_fifth_bit(b[:, 4:8]) << 4)
-    return 8, QK, 0, q, _h16(b[:, :2]), _h16(b[:, 2:4])
+    return 5, QK, 0, b[:, 8:], _h16(b[:, :2]), _h16(b[:, 2:4]), b[:, 4:8]
 
 
 def _q8_0(b):
@@ -98,11 +88,11 @@ def _q8_0(b):
 
 
 def _k_scales(b):
-    """Q4_K / Q5_K: per 32-weight group, scale d * sc and min -(dmin * m), as gguf computes them."""
+    """Q4_K / Q5_K, two-level as shipped: (sc, m) int8 per 32 weights, (d, -dmin) fp16 per 256,
+    so that d * sc and -dmin * m = -(dmin * m) are what gguf computes."""
     from gguf.quants import Q4_K
-    d, dmin = _f16(b[:, :2]), _f16(b[:, 2:4])
     sc, m = Q4_K.get_scale_min(np.ascontiguousarray(b[:, 4:16]))
-    return d * sc.astype(np.float32), -(dmin * m.astype(np.float32))
+    return sc.astype(np.int8), m.astype(np.int8), _h16(b[:, :2]), -_h16(b[:, 2:4])
 
 
 def _k_nibbles(qs):
@@ -112,26 +102,25 @@ def _k_nibbles(qs):
 
 
 def _q4_k(b):
-    scale, minv = _k_scales(b)
-    return 4, QK, 0, _k_nibbles(b[:, 16:]), scale, minv
+    sc, m, d, dmin = _k_scales(b)
+    return 4, QK, 0, _k_nibbles(b[:, 16:]), sc, m, d, dmin
 
 
 def _q5_k(b):
-    scale, minv = _k_scales(b)
+    sc, m, d, dmin = _k_scales(b)
     qh = b[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
     q = _k_nibbles(b[:, 48:]) | ((qh & 1).reshape(b.shape[0], -1) << 4)
-    return 8, QK, 0, q, scale, minv
+    return 5, QK, 0, q, sc, m, d, dmin
 
 
-def _q6_k(b):
+def _q6_k(b):   # values 0..63 with zero 32; int8 scales per 16 and d per 256, as shipped
     n = b.shape[0]
     ql, qh = b[:, :128], b[:, 128:192]
-    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    d = _f16(b[:, 208:210])
+    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8)
     ql = (ql.reshape(n, -1, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     qh = (qh.reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 0x03
-    q = (ql.reshape(n, -1, 32) | (qh.reshape(n, -1, 32) << 4)).astype(np.int8) - np.int8(32)
-    return 8, 16, 0, q.view(np.uint8).reshape(n, -1), d * scales, None
+    q = ql.reshape(n, -1, 32) | (qh.reshape(n, -1, 32) << 4)
+    return 6, 16, 32, q.reshape(n, -1), scales, None, _h16(b[:, 208:210]), None
 
 
 @functools.cache

@@ -24,6 +24,7 @@ class EngineConfig:
     cuda_graphs: bool = False               # replay captured decode steps (device='cuda', flashinfer)
     cuda_graph_max_bs: int = 256            # largest captured decode batch (also <= max_num_seqs)
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
+    adaptive_threads: bool = True           # CPU: fewer intra-op threads while other processes hold the cores (runtime/thread_guard.py)
     quantization: str | None = None         # override of the spec's quantization.method (models/quant_load.py)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
     # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...} (runtime/spec_decode);
@@ -60,6 +61,8 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be fcfs or priority, got {self.scheduling_policy!r}")
+        if not isinstance(self.adaptive_threads, bool):
+            raise ValueError(f"adaptive_threads must be a bool, got {self.adaptive_threads!r}")
         if not isinstance(self.prepack_weights, bool):
             raise ValueError(f"prepack_weights must be True or False, got {self.prepack_weights!r}")
         if self.quantization is not None:

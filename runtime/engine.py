@@ -44,6 +44,8 @@ from runtime.spec_decode.config import SpeculativeConfig
 from runtime.spec_decode.decoder import SpecDecoder
 from runtime.spec_decode.draft import DraftProposer
 from runtime.spec_decode.mtp_proposer import MTPProposer
+from runtime import thread_guard
+from runtime.thread_guard import ThreadGuard
 
 log = logging.getLogger("zooinfer")
 
@@ -95,6 +97,9 @@ class Engine:
         phase("weights")
         if config.device == "cpu":
             cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
+        self._thread_guard = ThreadGuard() if (config.adaptive_threads and thread_guard.env_enabled()
+                                               and config.device == "cpu" and config.tensor_parallel_size == 1
+                                               and config.pipeline_parallel_size == 1) else None
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
         self.tokenizer = load_tokenizer(tok_dir)
         # Token texts for logprob entries; every token's, once, for whole-vocabulary rows.
@@ -330,6 +335,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for each request that got a token this step
         (a FINAL_ONLY request only when it finishes)."""
+        if self._thread_guard is not None:
+            self._thread_guard.tick()
         so = self.scheduler.schedule()
         if so.is_empty:
             # Only removals (and maybe fork copies) this step: the runner still applies them.
@@ -357,7 +364,7 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         if self.spec_decoder is not None:     # record this step's acceptance, propose the next drafts
-            self.spec_decoder.step(result.spec, self.scheduler.running, so.total_num_scheduled_tokens, elapsed)
+            self.spec_decoder.step(result.spec, self.scheduler.running, so, elapsed)
         return outputs
 
     def _sampling_now(self, so) -> list[str]:

@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                     help="priority: requests' `priority` field orders admission and preemption (lower first)")
     ap.add_argument("--no-prepack-weights", action="store_true", help="CPU: plain F.linear instead of pre-packed weights (models/prepack.py)")
+    ap.add_argument("--no-adaptive-threads", action="store_true",
+                    help="CPU: keep every intra-op thread even while other processes hold the cores (runtime/thread_guard.py)")
     ap.add_argument("--speculative-config", default=None,
                     help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--quantization", default=None, help="linear weights: none, gguf, int8, int4, int4_asym "
@@ -185,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
                               compile_cache_dir=args.compile_cache_dir, attention_backend=args.attention_backend,
                               device=args.device, dtype=args.dtype, cuda_graphs=args.cuda_graphs,
                               enable_prefix_caching=not args.no_prefix_caching,
-                              prepack_weights=not args.no_prepack_weights, scheduling_policy=args.scheduling_policy,
+                              prepack_weights=not args.no_prepack_weights, adaptive_threads=not args.no_adaptive_threads,
+                              scheduling_policy=args.scheduling_policy,
                               tensor_parallel_size=args.tensor_parallel_size,
                               pipeline_parallel_size=args.pipeline_parallel_size,
                               kv_host_tier_bytes=int(args.kv_host_tier_gib * (1 << 30)),

@@ -96,12 +96,24 @@ def test_measured_choice_is_the_faster_kernel(monkeypatch):
     assert c.source == "measured" and gemm_choice.choice() is c    # measured once
     rows = gemm_choice.LARGE_SHAPE[0]
     rates = c.gflops
-    assert c.large == ("blocked" if rates[f"{rows}-row blocked"] > rates[f"{rows}-row mkl"] else "mkl")
+    mkl_wins = rates[f"{rows}-row mkl"] > gemm_choice.MKL_MARGIN * rates[f"{rows}-row blocked"]
+    assert c.large == ("mkl" if mkl_wins else "blocked")
     if prepack.mkl_supported():
         small = gemm_choice.SMALL_SHAPE[0]
         assert c.panels_in_cache == (rates[f"{small}-row panel"] > rates[f"{small}-row mkl packed"])
     assert all(v > 0 for v in rates.values())
     assert f"{c.large} (measured; GFLOP/s {rows}-row blocked " in cpu_features.kernel_paths()["prefill_gemm"]
+
+
+@needs_kernels
+@pytest.mark.parametrize("mkl_rate, want", [(100.0, "blocked"), (104.0, "blocked"), (106.0, "mkl")])
+def test_mkl_needs_a_margin_to_win(monkeypatch, mkl_rate, want):
+    """Near ties keep the blocked kernel (bit-equal to the decode kernel), so the choice does
+    not flip between processes on noise; MKL wins only by more than MKL_MARGIN."""
+    monkeypatch.delenv(gemm_choice.ENV, raising=False)
+    rates = {"blocked": 100.0, "mkl": mkl_rate}
+    monkeypatch.setattr(gemm_choice, "_best", lambda fns, flops: rates if "blocked" in fns else {"panel": 1.0, "mkl": 2.0})
+    assert gemm_choice._measure().large == want
 
 
 @needs_kernels

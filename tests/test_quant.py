@@ -42,7 +42,11 @@ def gguf_weight(fmt: str, n: int, k: int, seed: int = 0) -> tuple[QuantWeight, t
 @pytest.mark.parametrize("fmt", GGUF_TYPES)
 def test_gguf_repack_decodes_bit_exactly(fmt):
     qw, want = gguf_weight(fmt, 7, 512)
-    assert qw.bits == (4 if fmt in ("Q4_0", "Q4_1", "Q4_K") else 8)
+    assert qw.bits == {"Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8}.get(fmt, 4)
+    # the file's own bytes, but Q4_K / Q5_K's 6-bit sc / m take a byte each: 4 bytes per 256 weights
+    block, size = gguf.GGML_QUANT_SIZES[T[fmt]]
+    extra = 7 * 512 // 256 * 4 if fmt in ("Q4_K", "Q5_K") else 0
+    assert qw.nbytes == 7 * 512 // block * size + extra
     assert torch.equal(qw.dequantize(), want)
     assert torch.equal(qw.to_8bit().dequantize(), want)          # widening is exact
     assert torch.equal(qw.regroup(16).dequantize(), want)        # so is splitting groups
@@ -63,9 +67,10 @@ def _bound(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
     A = |scale * q| + |min - zero * scale| (the magnitudes the kernel sums: it scales each group's
     integer dot product and adds the min / zero part from the group sums of x), twice the
     worst-case fp32 error of a K-term sum (reference and kernel each round once per term)."""
-    rep = (lambda t: t.float().repeat_interleave(qw.group, dim=1)[:, :qw.k])
-    s = rep(qw.scale)
-    off = (rep(qw.min) if qw.min is not None else 0) - qw.zero * s
+    scale, minv = qw.float_scales()
+    rep = (lambda t: t.repeat_interleave(qw.group, dim=1)[:, :qw.k])
+    s = rep(scale)
+    off = (rep(minv) if minv is not None else 0) - qw.zero * s
     a = (s * qw.values()[:, :qw.k].float()).abs() + off.abs()
     return 2 * x.shape[1] * 2.0 ** -23 * (x.abs() @ a.T) + 1e-30
 
@@ -97,11 +102,13 @@ def test_kernel_equals_dequantize_then_matmul(case, isa):
     for rows in (1, 3, 5, 16, 17, 40):          # register tiles, their tails, the prefill (tile) path
         x = torch.randn(rows, qw.k, generator=g)
         xp = F.pad(x, (0, qw.k_pad - qw.k))
-        got = quant_gemm.quant_linear(xp, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None, isa)
+        got = quant_gemm.quant_linear(xp, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None, isa,
+                                      **qw.storage)
         want = x @ w.T
         assert got.shape == want.shape
         assert ((got - want).abs() <= _bound(x, qw)).all(), (rows, (got - want).abs().max())
-    deq = quant_gemm.dequantize(qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, qw.k_pad, isa)[:, :qw.k]
+    deq = quant_gemm.dequantize(qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, qw.k_pad, isa,
+                                **qw.storage)[:, :qw.k]
     assert ((deq - w).abs() <= 2.0 ** -23 * 4 * w.abs().amax(1, keepdim=True)).all()
 
 

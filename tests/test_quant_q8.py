@@ -37,14 +37,23 @@ def _extra_weights():
 CASES = WEIGHTS + _extra_weights()
 
 
+def _int_part(qw: QuantWeight) -> tuple[torch.Tensor, int]:
+    """(what the kernel multiplies by the rounded x, the zero left to the exact-x part): q and
+    zero for 4 / 8 bits; q - zero and 0 for 5 / 6 bits, whose zero is folded in when expanded."""
+    q = qw.values()[:, :qw.k].float()
+    return (q - qw.zero, 0) if qw.bits in (5, 6) else (q, qw.zero)
+
+
 def _emulate(x: torch.Tensor, qw: QuantWeight, xq: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """The kernel's formula in torch: the integer part on x rounded (dx * xq), the min / zero
     part on the exact x."""
-    rep = (lambda t: t.float().repeat_interleave(qw.group, dim=1)[:, :qw.k])
-    s = rep(qw.scale)
-    off = (rep(qw.min) if qw.min is not None else 0) - qw.zero * s
+    scale, minv = qw.float_scales()
+    rep = (lambda t: t.repeat_interleave(qw.group, dim=1)[:, :qw.k])
+    s = rep(scale)
+    q, zero = _int_part(qw)
+    off = (rep(minv) if minv is not None else 0) - zero * s
     xhat = (xq.float() * d.repeat_interleave(32, dim=1))[:, :qw.k]
-    return xhat @ (s * qw.values()[:, :qw.k].float()).T + x @ (off * torch.ones_like(s)).T
+    return xhat @ (s * q).T + x @ (off * torch.ones_like(s)).T
 
 
 @needs_q8
@@ -53,13 +62,14 @@ def test_q8_kernel_is_its_formula_and_within_the_bound(case):
     from kernels import quant_gemm
     _, qw, w = case
     g = torch.Generator().manual_seed(12)
-    rep = (lambda t: t.float().repeat_interleave(qw.group, dim=1)[:, :qw.k])
-    sq = (rep(qw.scale) * qw.values()[:, :qw.k].float()).abs()        # |scale * q|: what x's rounding multiplies
+    sq = (qw.float_scales()[0].repeat_interleave(qw.group, dim=1)[:, :qw.k]
+          * _int_part(qw)[0]).abs()                                    # |scale * q|: what x's rounding multiplies
     for rows in (1, 2, 3, 4, 5, 16):            # each register tile and its tails, the largest decode batch
         x = torch.randn(rows, qw.k, generator=g) * torch.rand(rows, 1, generator=g) * 4
         x[0, :7] = 0.0                          # a zero stretch (an all-zero block when K is small)
         xp = F.pad(x, (0, qw.k_pad - qw.k))
-        got = quant_gemm.quant_linear_q8(xp, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)
+        got = quant_gemm.quant_linear_q8(xp, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None,
+                                         **qw.storage)
         xq, d = quant_gemm.quantize_activations_q8(xp)
         dk = d.repeat_interleave(32, dim=1)[:, :qw.k]
         xhat = xq.float()[:, :qw.k] * dk

@@ -448,8 +448,12 @@ def test_adaptive_k_follows_acceptance():
         dec._record("a", 4, 0)
         ks.append(dec._k(req))
     assert ks[0] == 3 and ks == sorted(ks, reverse=True) and ks[-1] == 0
-    probes = [dec._k(req) for _ in range(2 * PROBE_EVERY)]
-    assert sum(probes) == 2 and max(probes) == 1          # one single-draft probe per PROBE_EVERY steps
+    probes = []
+    for _ in range(2 * PROBE_EVERY):
+        dec.steps += 1
+        probes.append(dec._k(req))
+    # one single-draft probe per PROBE_EVERY steps, on the engine's multiples of PROBE_EVERY
+    assert probes == ([0] * (PROBE_EVERY - 1) + [1]) * 2
     for _ in range(8):          # everything accepted again: back to full k
         dec._record("a", 1, 1)
     assert dec._k(req) == 4
@@ -462,30 +466,25 @@ def test_adaptive_k_follows_acceptance():
     assert req.spec_token_ids == []
 
 
-def test_step_cost_caps_k_where_drafts_do_not_pay():
-    """Steps costing 1 + 0.1 * tokens seconds: a draft needs acceptance > 0.1 / 1.1 at one
-    decode, > 3.2 / 4.2 at 32; k follows (draft j is accepted with probability ~ rate^j)."""
+def test_threshold_caps_k_where_drafts_do_not_pay():
+    """A request's k keeps only the drafts whose acceptance (rate^j for draft j) beats the
+    cost model's threshold (tests/test_spec_cost_model.py fits it from step times)."""
     from runtime.request import Request
-    from runtime.spec_decode.decoder import SpecDecoder, StepCost
-    cost = StepCost()
-    assert cost.threshold(32) == 0.0                        # no fit yet: no cap
-    for n in [1, 32, 160, 5, 64, 2048, 17, 300, 1, 40]:
-        cost.observe(n, 1 + 0.1 * n)
-    assert cost.threshold(1) == pytest.approx(0.1 / 1.1)
-    assert cost.threshold(32) == pytest.approx(3.2 / 4.2)
+    from runtime.spec_decode.decoder import SpecDecoder
     dec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1000, proposer=Echo())
     req = Request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=500), (), 500)
     req.append_output_token(4)
     dec.rate["a"] = 0.8                  # 0.8, 0.64, 0.51, 0.41 for drafts 1..4
-    assert dec._k(req, cost.threshold(1)) == 3        # k * rate rounds to 3
-    assert dec._k(req, cost.threshold(32)) == 1       # only 0.8 > 0.76
+    assert dec._k(req, 0.1 / 1.1) == 3        # k * rate rounds to 3
+    assert dec._k(req, 3.2 / 4.2) == 1        # only 0.8 > 0.76
     assert all(dec._k(req, 0.9) == 0 for _ in range(20))   # none pays: paused, no probe that soon
 
 
 def test_costly_drafts_start_from_the_measured_acceptance_and_probes_back_off():
     """Where drafts are cheap a new request starts optimistic (k = 4); where they cost it
     starts from the engine-wide acceptance, pauses, and probes after PROBE_COSTLY steps, then
-    after twice as long for every failed probe; a good probe resets the wait."""
+    after twice as long for every failed probe; a good probe resets the wait. Probes fall on
+    engine steps that are multiples of the wait."""
     from runtime.request import Request
     from runtime.spec_decode.decoder import PRIOR_EMA, PROBE_COSTLY, SpecDecoder
     dec = SpecDecoder(SpeculativeConfig(num_speculative_tokens=4), max_model_len=1000, proposer=Echo())
@@ -503,15 +502,32 @@ def test_costly_drafts_start_from_the_measured_acceptance_and_probes_back_off():
     assert dec._k(new("cheap"), 0.05) == 4            # cheap: optimistic whatever was measured
     b = new("b")                                      # costly: rate = prior ~0.36, no draft pays 0.6
 
-    def schedule(n):
-        return [dec._k(b, 0.6) for _ in range(n)]
-    assert schedule(PROBE_COSTLY) == [0] * (PROBE_COSTLY - 1) + [1]
+    def probe_steps(req, n):
+        """The engine steps, of the next n, at which `req` probes."""
+        got = []
+        for _ in range(n):
+            dec.steps += 1
+            if dec._k(req, 0.6):
+                got.append(dec.steps)
+        return got
+    assert probe_steps(b, PROBE_COSTLY) == [PROBE_COSTLY]
     dec._record("b", 1, 0)                            # the probe failed: the next waits twice as long
-    assert schedule(2 * PROBE_COSTLY) == [0] * (2 * PROBE_COSTLY - 1) + [1]
+    assert probe_steps(b, 3 * PROBE_COSTLY) == [4 * PROBE_COSTLY]          # >= 64 on, on a multiple of 64
     dec._record("b", 1, 0)
-    assert schedule(4 * PROBE_COSTLY) == [0] * (4 * PROBE_COSTLY - 1) + [1]
+    assert probe_steps(b, 4 * PROBE_COSTLY) == [8 * PROBE_COSTLY]          # >= 128 on, on a multiple of 128
     dec._record("b", 1, 1)                            # a good probe: back to the first wait
-    assert schedule(PROBE_COSTLY) == [0] * (PROBE_COSTLY - 1) + [1]
+    assert probe_steps(b, PROBE_COSTLY) == [9 * PROBE_COSTLY]
+    # Requests paused at different steps probe only on multiples of the wait: the whole batch
+    # has at most one probing (verifying) step in every PROBE_COSTLY steps, not one per step.
+    paused = [new(f"p{i}") for i in range(6)]
+    probes = {}
+    for t in range(4 * PROBE_COSTLY):
+        dec.steps += 1
+        for i, req in enumerate(paused[: t // 5 + 1]):       # request i pauses 5 * i steps in
+            if dec._k(req, 0.6):
+                probes.setdefault(req.request_id, []).append(dec.steps)
+    assert len(probes) == len(paused)
+    assert {s % PROBE_COSTLY for got in probes.values() for s in got} == {0}
 
 
 def test_server_flag_errors_in_one_line(tiny_hf, capsys):

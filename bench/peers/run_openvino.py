@@ -5,6 +5,12 @@ text-generation-with-past --weight-format fp32`` into ``options.cache_dir`` (out
 Precision is pinned to f32 for both compute (``INFERENCE_PRECISION_HINT``; on AMX / AVX512-BF16
 CPUs OpenVINO would otherwise run bf16) and the KV cache (``KV_CACHE_PRECISION``), so the
 comparison with our fp32 engine is like for like. Prompts go in as ``ov.Tensor`` token ids.
+
+``options.weight_format`` "int8" or "int4" exports NNCF-compressed weights instead (int8: per
+output channel, asymmetric; int4: asymmetric groups of 32 on every linear, ``--ratio 1.0``, the
+embedding / head kept int8 as optimum does by default), the counterpart of a GGUF Q8_0 / Q4_1
+file in our engine; compute and KV stay f32-pinned, and OpenVINO's own dynamic activation
+quantization for compressed weights keeps its default.
 """
 from __future__ import annotations
 
@@ -16,7 +22,11 @@ import tempfile
 from pathlib import Path
 
 
-def export(hf_dir: str, target: Path) -> None:
+WEIGHT_ARGS = {"fp32": ["--weight-format", "fp32"], "int8": ["--weight-format", "int8"],
+               "int4": ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"]}
+
+
+def export(hf_dir: str, target: Path, weight_format: str = "fp32") -> None:
     if (target / "openvino_model.xml").exists():
         return
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -24,7 +34,7 @@ def export(hf_dir: str, target: Path) -> None:
     try:
         cli = str(Path(sys.executable).parent / "optimum-cli")
         cmd = [cli, "export", "openvino", "--model", hf_dir, "--task", "text-generation-with-past",
-               "--weight-format", "fp32", str(tmp)]
+               *WEIGHT_ARGS[weight_format], str(tmp)]
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
         subprocess.run(cmd, check=True, stdout=sys.stderr)
         if not (tmp / "openvino_model.xml").exists():
@@ -38,8 +48,11 @@ def load(wl: dict):
     import openvino as ov
     import openvino_genai as ov_genai
     opts = wl.get("options", {})
-    target = Path(opts["cache_dir"]) / "ir-fp32"
-    export(wl["model_dir"], target)
+    fmt = opts.get("weight_format", "fp32")
+    if fmt not in WEIGHT_ARGS:
+        raise ValueError(f"weight_format must be one of {', '.join(WEIGHT_ARGS)}, got {fmt!r}")
+    target = Path(opts["cache_dir"]) / f"ir-{fmt}"
+    export(wl["model_dir"], target, fmt)
     sc = ov_genai.SchedulerConfig()
     sc.max_num_batched_tokens = int(wl["max_num_batched_tokens"])
     sc.max_num_seqs = int(wl["max_num_seqs"])

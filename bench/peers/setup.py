@@ -14,12 +14,21 @@ Why each recipe looks the way it does:
   ``torchvision`` then come from nowhere: ``requests`` is added by hand, the export needs it;
   ``torchvision`` is only for vision models);
 - llama-cpp-python builds from source (no CPU wheel on PyPI); ``gguf`` converts the HF weights.
+  Its build gets ``CMAKE_ARGS`` (``RECIPE_ENV``) that build only the library for this CPU
+  (``GGML_NATIVE=ON``; no examples, tests, server), which took about 11 minutes on 2 cores.
+
+Two setups of one peer (two engineers, two terminals) never build into one venv at once: each
+holds an ``fcntl.flock`` on ``<peer>/venv.lock`` beside the venv for the whole setup, and the one
+that waited then finds the marker written and skips. The OS frees the lock if its holder dies.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -53,8 +62,41 @@ RECIPES: dict[str, list[list[str]]] = {
 }
 
 
+# Environment of a peer's install steps (a source build's flags); part of its recipe.
+RECIPE_ENV: dict[str, dict[str, str]] = {
+    "llamacpp": {"CMAKE_ARGS": "-DGGML_NATIVE=ON -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF "
+                               "-DLLAMA_BUILD_SERVER=OFF",
+                 "CMAKE_BUILD_PARALLEL_LEVEL": "2"},
+}
+
+
 def recipe_digest(name: str) -> str:
-    return hashlib.sha256(json.dumps(RECIPES[name]).encode()).hexdigest()[:16]
+    recipe = RECIPES[name] if name not in RECIPE_ENV else {"steps": RECIPES[name], "env": RECIPE_ENV[name]}
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@contextlib.contextmanager
+def peer_lock(name: str):
+    """Hold the exclusive setup lock of peer `name` (``<peers>/<name>/venv.lock``), waiting for
+    another holder to finish; released on exit or when the process dies."""
+    path = venv_dir(name).parent / "venv.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        if not _try_flock(f):
+            print(f"{name}: another setup holds {path}; waiting for it", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _try_flock(f) -> bool:
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def run(cmd: list[str], **kw) -> None:
@@ -65,14 +107,23 @@ def run(cmd: list[str], **kw) -> None:
 
 
 def setup_peer(name: str, force: bool = False) -> Path:
+    """Build peer `name`'s venv unless its marker holds the current recipe (or `force`), under
+    `peer_lock`: a setup that waited for another re-reads the marker that one wrote."""
     venv = venv_dir(name)
-    marker = venv / MARKER
-    if marker.exists() and not force:
-        have = json.loads(marker.read_text()).get("recipe")
-        if have == recipe_digest(name):
-            print(f"{name}: already set up in {venv}")
-            return venv
-        print(f"{name}: recipe changed ({have} -> {recipe_digest(name)}), rebuilding")
+    with peer_lock(name):
+        marker = venv / MARKER
+        if marker.exists() and not force:
+            have = json.loads(marker.read_text()).get("recipe")
+            if have == recipe_digest(name):
+                print(f"{name}: already set up in {venv}")
+                return venv
+            print(f"{name}: recipe changed ({have} -> {recipe_digest(name)}), rebuilding")
+        _build(name, venv)
+    return venv
+
+
+def _build(name: str, venv: Path) -> None:
+    """The recipe's steps into a fresh `venv`, the marker last (the caller holds the lock)."""
     if venv.exists():
         shutil.rmtree(venv)
     venv.parent.mkdir(parents=True, exist_ok=True)
@@ -81,16 +132,19 @@ def setup_peer(name: str, force: bool = False) -> Path:
     constraints = venv / "constraints.txt"
     constraints.write_text(TORCH + "\n")
     py = str(venv_python(name))
+    env = {**os.environ, **RECIPE_ENV.get(name, {})}
+    for k, v in RECIPE_ENV.get(name, {}).items():
+        print(f"  {k}={v}", flush=True)
     for step in RECIPES[name]:
         if step[0] == "install":
-            run([py, "-m", "pip", "install", "-c", str(constraints), *step[1:]])
+            run([py, "-m", "pip", "install", "-c", str(constraints), *step[1:]], env=env)
         else:
-            run([py, "-m", "pip", *step])
+            run([py, "-m", "pip", *step], env=env)
     freeze = subprocess.run([py, "-m", "pip", "freeze"], capture_output=True, text=True, check=True).stdout
+    marker = venv / MARKER
     marker.write_text(json.dumps({"recipe": recipe_digest(name), "steps": RECIPES[name],
-                                  "freeze": freeze.splitlines()}, indent=1) + "\n")
+                                  "env": RECIPE_ENV.get(name, {}), "freeze": freeze.splitlines()}, indent=1) + "\n")
     print(f"{name}: done, {venv}")
-    return venv
 
 
 def main(argv: list[str] | None = None) -> int:

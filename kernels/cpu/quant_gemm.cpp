@@ -7,9 +7,11 @@
 //   bits 4: qs uint8 [N, K / 2]; each 32-weight block of a row is 16 bytes, byte j holding weight j
 //           in its low nibble and weight j + 16 in its high nibble (GGUF Q4_0's order); G % 32 == 0.
 //   bits 8: qs int8 [N, K]; G % 16 == 0.
-//   scale / min: float32, or float16 where the format's own scales are fp16 (the legacy GGUF
-//           formats: half the bytes); fp16 ones are converted to fp32 64 rows at a time
-//           (quant_layout.h `for_row_tiles`, exact), so the kernels below read fp32 only.
+//   bits 5 / 6: the low 4 bits as bits 4, the high bits in 1 or 2 bit planes (quant_storage.h).
+//   scale / min: float32, float16 where the format's own scales are fp16 (the legacy GGUF
+//           formats), or two-level as the K-quants ship them (int8 sub-scales x fp16 super-scales).
+//           Storage other than bits 4 / 8 with fp32 scales is expanded 64 rows at a time
+//           (quant_storage.h `for_row_tiles`, exact), so the kernels below read only that.
 // K is a multiple of G (the Python wrapper pads x and the weight for other K).
 //
 // Decode (M <= DECODE_ROWS): threads split the output rows; each row's quantized bytes are read
@@ -23,13 +25,15 @@
 // Three instruction paths, picked at run time (`isa` -1: the best the CPU has; 0 scalar, 1 AVX2
 // + FMA, 2 AVX-512 F/BW): functions carry their own `target` attributes, so every path is built
 // into the one library whatever -march the build used, and tests run each of them on one machine.
+// Each SIMD path has its own weight decoding (`block_*`, `tile`); the decode loop over rows and
+// register tiles and the min / zero dot product are one template over the ISA (quant_layout.h).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
 
-#include "quant_layout.h"
+#include "quant_storage.h"
 
 #include <algorithm>
 #include <cstring>
@@ -70,15 +74,6 @@ void dequant_scalar(const QW& w, int64_t n0, int64_t n1, float* dst) {
 }
 
 // ------------------------------------------------------------------------------------ AVX2
-#define ZI_AVX2 __attribute__((target("avx2,fma")))
-
-ZI_AVX2 inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // 32 weights of row `row` from k = kb * 32 on, as four 8-float vectors.
 ZI_AVX2 inline void block_avx2(const QW& w, int64_t row, int64_t kb, __m256 out[4]) {
   const uint8_t* r = w.qs + row * w.row_bytes();
@@ -105,27 +100,11 @@ ZI_AVX2 inline void block_avx2(const QW& w, int64_t row, int64_t kb, __m256 out[
   }
 }
 
-ZI_AVX2 inline float offset_dot256(const QW& w, int64_t row, const float* xsum) {   // offset_dot, 8 groups a step
-  const int64_t ng = w.k / w.group;
-  const float* sp = w.scale + row * ng;
-  const float* mp = w.minv ? w.minv + row * ng : nullptr;
-  const __m256 z = _mm256_set1_ps(static_cast<float>(w.zero));
-  __m256 acc = _mm256_setzero_ps();
-  int64_t g = 0;
-  for (; g + 8 <= ng; g += 8) {
-    const __m256 mv = mp ? _mm256_loadu_ps(mp + g) : _mm256_setzero_ps();
-    acc = _mm256_fmadd_ps(_mm256_fnmadd_ps(z, _mm256_loadu_ps(sp + g), mv), _mm256_loadu_ps(xsum + g), acc);
-  }
-  float tail = hsum8(acc);
-  for (; g < ng; ++g) tail += w.offset(row, g) * xsum[g];
-  return tail;
-}
-
 // acc[R] of a tile of R rows of x against weight row n: per group, the integer weights times x
 // (two chains), then one FMA with the group's scale; the min / zero term comes from xsum.
 template <int R>
-ZI_AVX2 inline void tile_avx2(const QW& w, int64_t n, const float* x, int64_t ldx, const float* xsum,
-                              float* out, int64_t ldo) {
+ZI_AVX2 inline void tile(Avx2, const QW& w, int64_t n, const float* x, int64_t ldx, const float* xsum,
+                         float* out, int64_t ldo) {
   const int64_t ng = w.k / w.group, G = w.group;
   const uint8_t* r = w.qs + n * w.row_bytes();
   const float* sc = w.scale + n * ng;
@@ -192,24 +171,7 @@ ZI_AVX2 inline void tile_avx2(const QW& w, int64_t n, const float* x, int64_t ld
     const __m256 sv = _mm256_set1_ps(sc[g]);
     for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(_mm256_add_ps(t0[i], t1[i]), sv, acc[i]);
   }
-  for (int i = 0; i < R; ++i) out[i * ldo + n] = hsum8(acc[i]) + (xsum ? offset_dot256(w, n, xsum + i * ng) : 0.f);
-}
-
-ZI_AVX2 void rows_avx2(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
-                       int64_t n0, int64_t n1, const float* xsum) {
-  const int64_t ng = w.k / w.group;
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const float* xs = xsum ? xsum + m0 * ng : nullptr;
-      const float* xm = x + m0 * ldx;
-      float* om = out + m0 * ldo;
-      switch (std::min<int64_t>(MR, M - m0)) {
-        case 1: tile_avx2<1>(w, n, xm, ldx, xs, om, ldo); break;
-        case 2: tile_avx2<2>(w, n, xm, ldx, xs, om, ldo); break;
-        case 3: tile_avx2<3>(w, n, xm, ldx, xs, om, ldo); break;
-        default: tile_avx2<4>(w, n, xm, ldx, xs, om, ldo); break;
-      }
-    }
+  for (int i = 0; i < R; ++i) out[i * ldo + n] = Avx2::sum(acc[i]) + (xsum ? offset_dot(Avx2{}, w, n, xsum + i * ng) : 0.f);
 }
 
 ZI_AVX2 void dequant_avx2(const QW& w, int64_t n0, int64_t n1, float* dst) {
@@ -244,8 +206,8 @@ ZI_AVX512 inline void block_avx512(const QW& w, int64_t row, int64_t kb, __m512&
 }
 
 template <int R>
-ZI_AVX512 inline void tile_avx512(const QW& w, int64_t n, const float* x, int64_t ldx, const float* xsum,
-                                  float* out, int64_t ldo) {
+ZI_AVX512 inline void tile(Avx512, const QW& w, int64_t n, const float* x, int64_t ldx, const float* xsum,
+                           float* out, int64_t ldo) {
   const int64_t ng = w.k / w.group, G = w.group;
   const uint8_t* r = w.qs + n * w.row_bytes();
   const float* sc = w.scale + n * ng;
@@ -308,29 +270,7 @@ ZI_AVX512 inline void tile_avx512(const QW& w, int64_t n, const float* x, int64_
   }
   for (int i = 0; i < R; ++i)
     out[i * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                       (xsum ? offset_dot512(w, n, xsum + i * ng) : 0.f);
-}
-
-ZI_AVX512 void rows_avx512(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
-                           int64_t n0, int64_t n1, const float* xsum) {
-  const int64_t ng = w.k / w.group;
-  for (int64_t n = n0; n < n1; ++n) {
-    if (n + 1 < n1) {   // the next row streams in meanwhile
-      const char* next = reinterpret_cast<const char*>(w.qs + (n + 1) * w.row_bytes());
-      for (int64_t b = 0; b < w.row_bytes(); b += 64) __builtin_prefetch(next + b, 0, 0);
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      const float* xs = xsum ? xsum + m0 * ng : nullptr;
-      const float* xm = x + m0 * ldx;
-      float* om = out + m0 * ldo;
-      switch (std::min<int64_t>(MR, M - m0)) {
-        case 1: tile_avx512<1>(w, n, xm, ldx, xs, om, ldo); break;
-        case 2: tile_avx512<2>(w, n, xm, ldx, xs, om, ldo); break;
-        case 3: tile_avx512<3>(w, n, xm, ldx, xs, om, ldo); break;
-        default: tile_avx512<4>(w, n, xm, ldx, xs, om, ldo); break;
-      }
-    }
-  }
+                       (xsum ? offset_dot(Avx512{}, w, n, xsum + i * ng) : 0.f);
 }
 
 ZI_AVX512 void dequant_avx512(const QW& w, int64_t n0, int64_t n1, float* dst) {
@@ -342,6 +282,27 @@ ZI_AVX512 void dequant_avx512(const QW& w, int64_t n0, int64_t n1, float* dst) {
       _mm512_storeu_ps(d, w0);
       _mm512_storeu_ps(d + 16, w1);
     }
+}
+
+// Output rows n0..n1 of the decode product on the path I: the shared loop over rows and register
+// tiles, each tile the path's own `tile` (x rows m0.., their group sums, out rows m0..).
+template <class I>
+ZI_INLINE void rows_simd(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
+                         int64_t n0, int64_t n1, const float* xsum) {
+  const int64_t ng = w.k / w.group;
+  for_each_tile(w, M, n0, n1, [&](auto r, int64_t n, int64_t m0) {
+    tile<decltype(r)::value>(I{}, w, n, x + m0 * ldx, ldx, xsum ? xsum + m0 * ng : nullptr, out + m0 * ldo, ldo);
+  });
+}
+
+ZI_AVX2 void rows_avx2(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
+                       int64_t n0, int64_t n1, const float* xsum) {
+  rows_simd<Avx2>(w, x, ldx, M, out, ldo, n0, n1, xsum);
+}
+
+ZI_AVX512 void rows_avx512(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, int64_t ldo,
+                           int64_t n0, int64_t n1, const float* xsum) {
+  rows_simd<Avx512>(w, x, ldx, M, out, ldo, n0, n1, xsum);
 }
 
 // ------------------------------------------------------------------------------------ dispatch
@@ -361,7 +322,7 @@ int64_t resolve_isa(int64_t isa) {
 
 // rows n0..n1 of w dequantized, row r to dst + (r - base) * K
 void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst, int64_t base) {
-  for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
+  for_row_tiles(w, isa, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
     float* d = dst + (r0 - base) * w.k;
     if (isa == 2) dequant_avx512(t, 0, r1 - r0, d);
     else if (isa == 1) dequant_avx2(t, 0, r1 - r0, d);
@@ -371,10 +332,11 @@ void dequant_rows(const QW& w, int64_t isa, int64_t n0, int64_t n1, float* dst, 
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& minv, int64_t bits, int64_t group, int64_t zero,
-                        const c10::optional<at::Tensor>& bias, int64_t isa) {
+                        const c10::optional<at::Tensor>& bias, int64_t isa, const c10::optional<at::Tensor>& qh,
+                        const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1));
+  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1), qh, scale_d, minv_d);
   isa = resolve_isa(isa);
   const int64_t M = x.size(0), N = w.n, K = w.k;
   at::Tensor out = at::empty({M, N}, x.options());
@@ -387,7 +349,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
       const std::vector<float> xsum = group_sums(w, xp, ldx, M);   // for the min / zero term
       const float* xs = xsum.empty() ? nullptr : xsum.data();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
+        for_row_tiles(w, isa, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) {
           if (isa == 2) rows_avx512(t, xp, ldx, M, op + r0, N, 0, r1 - r0, xs);
           else if (isa == 1) rows_avx2(t, xp, ldx, M, op + r0, N, 0, r1 - r0, xs);
           else rows_scalar(t, xp, ldx, M, op + r0, N, 0, r1 - r0);
@@ -413,8 +375,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
 }
 
 at::Tensor quant_dequantize(const at::Tensor& qs, const at::Tensor& scale, const c10::optional<at::Tensor>& minv,
-                            int64_t bits, int64_t group, int64_t zero, int64_t k, int64_t isa) {
-  const QW w = make_qw(qs, scale, minv, bits, group, zero, k);
+                            int64_t bits, int64_t group, int64_t zero, int64_t k, int64_t isa,
+                            const c10::optional<at::Tensor>& qh, const c10::optional<at::Tensor>& scale_d,
+                            const c10::optional<at::Tensor>& minv_d) {
+  const QW w = make_qw(qs, scale, minv, bits, group, zero, k, qh, scale_d, minv_d);
   isa = resolve_isa(isa);
   at::Tensor out = at::empty({w.n, k}, scale.options().dtype(at::kFloat));
   float* op = out.data_ptr<float>();
@@ -428,10 +392,10 @@ int64_t quant_best_isa() { return best_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, "
-        "Tensor? bias, int isa) -> Tensor");
+        "Tensor? bias, int isa, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
   m.impl("quant_linear", c10::DispatchKey::CPU, TORCH_FN(quant_linear));
-  m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, int k, int isa) "
-        "-> Tensor");
+  m.def("quant_dequantize(Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, int k, int isa, "
+        "Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
   m.impl("quant_dequantize", c10::DispatchKey::CPU, TORCH_FN(quant_dequantize));
   m.def("quant_best_isa() -> int", TORCH_FN(quant_best_isa));
 }

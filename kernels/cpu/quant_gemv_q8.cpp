@@ -32,7 +32,7 @@
 #include <algorithm>
 #include <vector>
 
-#include "quant_layout.h"
+#include "quant_storage.h"
 
 namespace {
 
@@ -54,12 +54,11 @@ ZI_VNNI XQ quantize_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool ni
   o.ldd = nibble_order ? chunks * 4 : chunks * 2;
   o.q.assign(M * o.ldq, 0);
   o.d.assign(M * o.ldd, 0.f);
-  const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < nb; ++b) {
       const float* xr = x + m * ldx + b * 32;
       const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));   // F only, not DQ
       const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
       const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)));
       const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)));
@@ -114,7 +113,7 @@ ZI_VNNI void tile4(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float
   }
   for (int i = 0; i < R; ++i)
     out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                              (xsum ? offset_dot512(w, n, xsum + (m0 + i) * ng) : 0.f);
+                              (xsum ? offset_dot(Avx512{}, w, n, xsum + (m0 + i) * ng) : 0.f);
 }
 
 // 8-bit rows: lane i of a 64-weight chunk covers weights 4i..4i+3 (block i / 8, 16-group i / 4).
@@ -156,7 +155,7 @@ ZI_VNNI void tile8(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float
   }
   for (int i = 0; i < R; ++i)
     out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                              (xsum ? offset_dot512(w, n, xsum + (m0 + i) * ng) : 0.f);
+                              (xsum ? offset_dot(Avx512{}, w, n, xsum + (m0 + i) * ng) : 0.f);
 }
 
 template <int R>
@@ -167,20 +166,7 @@ ZI_VNNI void tile(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float*
 
 ZI_VNNI void rows_q8(const QW& w, const XQ& xq, int64_t M, const float* xsum, float* out, int64_t ldo, int64_t n0,
                      int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    if (n + 1 < n1) {   // the next row streams in meanwhile
-      const char* next = reinterpret_cast<const char*>(w.qs + (n + 1) * w.row_bytes());
-      for (int64_t b = 0; b < w.row_bytes(); b += 64) __builtin_prefetch(next + b, 0, 0);
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += MR) {
-      switch (std::min<int64_t>(MR, M - m0)) {
-        case 1: tile<1>(w, n, xq, m0, xsum, out, ldo); break;
-        case 2: tile<2>(w, n, xq, m0, xsum, out, ldo); break;
-        case 3: tile<3>(w, n, xq, m0, xsum, out, ldo); break;
-        default: tile<4>(w, n, xq, m0, xsum, out, ldo); break;
-      }
-    }
-  }
+  for_each_tile(w, M, n0, n1, [&](auto r, int64_t n, int64_t m0) { tile<decltype(r)::value>(w, n, xq, m0, xsum, out, ldo); });
 }
 
 bool q8_available() {
@@ -191,12 +177,13 @@ bool q8_available() {
 
 at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& minv, int64_t bits, int64_t group, int64_t zero,
-                           const c10::optional<at::Tensor>& bias) {
+                           const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& qh,
+                           const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d) {
   TORCH_CHECK(q8_available(), "quant_linear_q8: this CPU lacks AVX-512 VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_q8: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(x.size(0) <= DECODE_ROWS, "quant_linear_q8: at most ", DECODE_ROWS, " rows (decode), got ", x.size(0));
-  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1));
+  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1), qh, scale_d, minv_d);
   const int64_t M = x.size(0), N = w.n;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0) {
@@ -207,7 +194,7 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::
     const float* xs = xsum.empty() ? nullptr : xsum.data();
     float* op = out.data_ptr<float>();
     at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for_row_tiles(w, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); });
+      for_row_tiles(w, 2, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); });
     });
   }
   if (bias.has_value() && bias->defined()) {
@@ -238,7 +225,7 @@ std::vector<at::Tensor> quantize_activations_q8(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("quant_linear_q8(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, "
-        "Tensor? bias) -> Tensor");
+        "Tensor? bias, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
   m.impl("quant_linear_q8", c10::DispatchKey::CPU, TORCH_FN(quant_linear_q8));
   m.def("quantize_activations_q8(Tensor x) -> Tensor[]");
   m.impl("quantize_activations_q8", c10::DispatchKey::CPU, TORCH_FN(quantize_activations_q8));

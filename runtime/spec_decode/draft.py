@@ -25,7 +25,8 @@ state are exact for positions below). Two places run it:
   catch-up computes the committed tokens there.
 
 Greedy requests get the draft's argmax. A sampled request's drafts are drawn from the draft's
-distribution q at the request's temperature (its generator when seeded), and q goes to the
+distribution q under the request's temperature, top-k, top-p and min-p, the same filters as
+the target's p (its generator when seeded; draft_sampling.py), and q goes to the
 rejection sampler (`proposal`), which accepts with min(1, p/q) and resamples a rejection from
 norm(max(0, p - q)) (Leviathan et al.), so the output follows the target's distribution.
 The lookahead slots (num_tokens + k - 1 tokens) are allocated before the draft runs; a
@@ -33,6 +34,7 @@ request the pool has no room for proposes nothing this step.
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,7 @@ import torch
 from attention import ForwardContext, set_forward_context
 from cache.kv_cache_spec import KVCacheSpec, StateSpec
 from runtime.spec_decode.config import SpeculativeConfig
+from runtime.spec_decode.draft_sampling import sample_drafts
 from runtime.spec_decode.proposer import Proposer
 from runtime.worker.step_plan import StepBatch, plan_layers
 
@@ -66,7 +69,8 @@ class DraftModel:
         self.seen: dict[str, int] = {}          # request id -> tokens the draft has computed
         self.last: dict[str, list[int]] = {}    # request id -> its last drafts (reused when nothing new)
         self.q: dict[str, torch.Tensor] = {}    # request id -> [k, V] distributions its last drafts came from
-        self.num_forwards = 0                   # draft forwards run (tests, bench)
+        self.num_forwards = 0                   # draft forwards run (tests, bench, the cost model)
+        self.forward_seconds = 0.0              # and the seconds they took
         self._verified = None                   # (rows, drafts, num_tokens) of the step's speculating rows
 
     def update_batch(self, so) -> None:
@@ -83,21 +87,12 @@ class DraftModel:
 
     def _pick(self, h: torch.Tensor, rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor | None]:
         """Each row's next draft: the argmax for greedy requests; for sampled ones a draw from
-        the draft's distribution at the request's temperature (its own generator when seeded),
-        which is returned ([R, V], rows of greedy requests unused) for the rejection sampler."""
-        temp = self.runner.batch.temperature[rows]
-        if not temp.any():
+        the draft's distribution under the request's temperature, top-k, top-p and min-p (its
+        own generator when seeded; runtime/spec_decode/draft_sampling.py), which is returned
+        ([R, V], rows of greedy requests unused) for the rejection sampler."""
+        if not self.runner.batch.temperature[rows].any():
             return self.lm.greedy_head(h, self.lm.compute_logits).cpu().numpy(), None
-        logits = self.lm.compute_logits(h)
-        t = torch.from_numpy(np.where(temp > 0, temp, 1.0)).to(logits)
-        q = torch.softmax(logits / t[:, None], dim=-1)
-        tok = logits.argmax(-1)
-        hot = torch.from_numpy(np.flatnonzero(temp > 0)).to(logits.device)
-        tok[hot] = torch.multinomial(q[hot], 1).squeeze(1)
-        for i, gen in self.runner.batch.row_generators(rows).items():
-            if temp[i] > 0:
-                tok[i] = torch.multinomial(q[i], 1, generator=gen)[0]
-        return tok.cpu().numpy(), q
+        return sample_drafts(self.lm.compute_logits(h), self.runner.batch, rows)
 
     def proposal(self, rows: np.ndarray, nd: np.ndarray, drafts: np.ndarray, vocab: int) -> torch.Tensor | None:
         """The flat [sum(nd + 1), V] proposal distributions of a verification (rejection.layout
@@ -142,8 +137,10 @@ class DraftModel:
         ids_t = torch.from_numpy(b.token_ids[req_rows, positions + shift]).to(r.device)
         pos_t = torch.from_numpy(positions).to(r.device)
         extra = () if hidden is None else (hidden,)
+        started = time.perf_counter()
         hidden = self.run(meta, ids_t, pos_t, *extra)
         self.num_forwards += 1
+        self.forward_seconds += time.perf_counter() - started
         return hidden[torch.from_numpy(cu - 1).to(r.device)]
 
     def run(self, meta: list, ids_t: torch.Tensor, pos_t: torch.Tensor, *extra) -> torch.Tensor:
@@ -294,6 +291,14 @@ class DraftProposer(Proposer):
         """Attach the draft to the engine's runner and cache manager (after both exist)."""
         self.kv, runner = engine.kv_manager, engine.runner
         runner.draft = self.runner_draft = DraftModel(runner, self.model, self.offset)
+
+    def forwards(self, k: int) -> int:
+        """A proposal of k drafts: the catch-up forward (draft 1), then k - 1 lookahead steps."""
+        return k
+
+    def forward_stats(self) -> tuple[int, float]:
+        d = self.runner_draft
+        return (0, 0.0) if d is None else (d.num_forwards, d.forward_seconds)
 
     def propose_requests(self, reqs, ks: np.ndarray) -> list[list[int]]:
         """Allocate each request's lookahead (the draft writes KV up to token num_tokens + k - 2),

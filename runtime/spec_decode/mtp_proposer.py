@@ -17,8 +17,9 @@ bookkeeping and forward this reuses). Per request it has computed positions belo
   committed tokens and are overwritten by the next `after_step`.
 
 Drafts are picked as a draft model's (`DraftModel._pick`, from the target's LM head over h'):
-the argmax for greedy requests; for sampled ones a draw from the head's distribution q at the
-request's temperature (its generator when seeded), q going to the rejection sampler. Draft 1
+the argmax for greedy requests; for sampled ones a draw from the head's distribution q under
+the request's temperature, top-k, top-p and min-p (its generator when seeded), q going to the
+rejection sampler. Draft 1
 is drawn only where the MTP has caught up (the last committed position), so a chunked
 prefill's earlier chunks draw nothing from a seeded request's generator.
 """
@@ -148,3 +149,7 @@ class MTPProposer(DraftProposer):
     def bind(self, engine) -> None:
         self.kv, runner = engine.kv_manager, engine.runner
         runner.draft = self.runner_draft = MTPModel(runner, self.model, self.offset)
+
+    def forwards(self, k: int) -> int:
+        """Draft 1 comes from the step's own MTP forward (after_step); drafts 2..k chain k - 1."""
+        return max(0, k - 1)

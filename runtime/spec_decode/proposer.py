@@ -31,6 +31,14 @@ class Proposer:
         """The same from the requests themselves (a draft model needs their ids and slots)."""
         return self.propose([r.all_token_ids for r in reqs], ks)
 
+    def forwards(self, k: int) -> int:
+        """Model forwards a proposal of at most k drafts runs (the cost model's count): none here."""
+        return 0
+
+    def forward_stats(self) -> tuple[int, float]:
+        """(forwards, seconds in them) run so far, for the cost model's per-forward time."""
+        return 0, 0.0
+
 
 class NgramProposer(Proposer):
     def __init__(self, k: int, n_min: int, n_max: int, search_window: int = 1024):

@@ -111,6 +111,14 @@ class InputBatch:
         self.token_ids[row, n: n + len(tokens)] = tokens
         self.num_tokens[row] = n + len(tokens)
 
+    def sampling_filters(self, rows: np.ndarray, device) -> tuple[torch.Tensor | None, ...]:
+        """(top_k, top_p, min_p) of `rows` as the Sampler reads them, each None when no row
+        uses it (the target's sampling and a draft's proposal mask the same way)."""
+        top_k, top_p, min_p = self.top_k[rows], self.top_p[rows], self.min_p[rows]
+        return (torch.from_numpy(top_k).to(device) if top_k.any() else None,
+                torch.from_numpy(top_p).to(device) if (top_p < 1).any() else None,
+                torch.from_numpy(min_p).to(device) if min_p.any() else None)
+
     def row_generators(self, rows: np.ndarray) -> dict[int, torch.Generator]:
         """Position in `rows` -> generator, for the seeded requests among them."""
         if not self.generators:

@@ -327,10 +327,7 @@ class ModelRunner:
                 where, which = zip(*keep)
                 meta.grammar = (torch.tensor(where, device=self.device), mask[list(which)].to(self.device))
         if not all_greedy:   # the filters only matter to sampled rows
-            top_k, top_p, min_p = b.top_k[rows], b.top_p[rows], b.min_p[rows]
-            meta.top_k = torch.from_numpy(top_k).to(self.device) if top_k.any() else None
-            meta.top_p = torch.from_numpy(top_p).to(self.device) if (top_p < 1).any() else None
-            meta.min_p = torch.from_numpy(min_p).to(self.device) if min_p.any() else None
+            meta.top_k, meta.top_p, meta.min_p = b.sampling_filters(rows, self.device)
             meta.generators = b.row_generators(rows)
         return meta
 
