@@ -7,7 +7,8 @@
 rendered through the chat template on its own and all are enqueued together (one
 `OpenAIServer.start`, so a bad one refuses the whole call before anything runs). The answer
 is one chat.completion with choice i for conversation i. As vLLM's: not streaming, no tools,
-no beam search, n = 1 - each a 400 naming the field.
+no beam search, n = 1, and no prompt_logprobs (the answer has no place for them) - each a 400
+naming the field.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
         if not self.messages:
             raise APIError(400, "messages: at least one conversation is required", "messages")
         for field, refused in (("stream", self.stream), ("tools", self.tools), ("use_beam_search", self.use_beam_search),
-                               ("n", self.n != 1)):
+                               ("n", self.n != 1), ("prompt_logprobs", self.prompt_logprobs is not None)):
             if refused:
                 raise APIError(400, f"{field}: not supported by /v1/chat/completions/batch", field)
         fields = self.model_dump(exclude={"messages"}, exclude_unset=True)

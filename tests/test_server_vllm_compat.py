@@ -46,7 +46,8 @@ def test_chat_batch_matches_single_calls(served):
 
 @pytest.mark.parametrize("extra,param", [({"stream": True}, "stream"), ({"n": 2}, "n"),
                                          ({"use_beam_search": True}, "use_beam_search"),
-                                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools")])
+                                         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                                         ({"prompt_logprobs": 1}, "prompt_logprobs")])
 def test_chat_batch_refusals(served, extra, param):
     http, _ = served
     r = http.post("/v1/chat/completions/batch", json={"messages": CONVS, "max_tokens": 2, **extra})
