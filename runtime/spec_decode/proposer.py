@@ -8,17 +8,17 @@ is what rejection sampling is told.
 `NgramProposer` is prompt lookup (vLLM's `ngram` method): the longest suffix of the
 request's tokens, `prompt_lookup_max` down to `prompt_lookup_min` tokens, is searched for
 earlier in the prompt + output, and the tokens that followed its latest earlier occurrence
-are the draft. The search is one set of numpy comparisons over the whole batch (rows
-right-aligned in a padded matrix), not a loop over requests or tokens.
+are the draft. The search is one numpy comparison of the whole batch per suffix length
+(rows right-aligned in a padded matrix), not a loop over requests or tokens, and the matrix
+comes from per-request numpy rows kept between steps (token_history.py), not from the
+requests' token lists.
 """
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from runtime.spec_decode.config import SpeculativeConfig
-
-_PAD = -1     # never a token id, so it never matches
+from runtime.spec_decode.token_history import PAD, TokenHistory
 
 
 class Proposer:
@@ -44,33 +44,51 @@ class NgramProposer(Proposer):
     def __init__(self, k: int, n_min: int, n_max: int, search_window: int = 1024):
         self.k, self.n_min, self.n_max = k, n_min, n_max
         self.search_window = search_window     # only the last this-many tokens are searched
+        self.history = TokenHistory(search_window)
 
     def propose(self, token_ids: list[list[int]], ks: np.ndarray) -> list[list[int]]:
+        """Drafts from token lists (the matrix is built from them: for callers without requests)."""
         b = len(token_ids)
         if not b:
             return []
         lens = np.fromiter((min(len(t), self.search_window) for t in token_ids), dtype=np.int64, count=b)
         width = int(lens.max())
-        mat = np.full((b, width), _PAD, dtype=np.int64)
+        mat = np.full((b, width), PAD, dtype=np.int32)
         for i, t in enumerate(token_ids):     # right-aligned: every row's suffix ends at column width-1
             mat[i, width - lens[i]:] = t[len(t) - lens[i]:]
-        start = np.full(b, -1, dtype=np.int64)      # where the draft starts in mat, -1: no match yet
-        for n in range(min(self.n_max, width - 1), self.n_min - 1, -1):
-            todo = (start < 0) & (lens > n)
-            if not todo.any():
-                break
-            rows = np.flatnonzero(todo)
-            suffix = mat[rows, width - n:]                                   # [r, n]
-            # windows starting at s = 0 .. width-n-1 (each has a token after it; the
-            # suffix's own position s = width-n is excluded)
-            windows = sliding_window_view(mat[rows, : width - 1], n, axis=1)  # [r, width-n, n]
-            match = (windows == suffix[:, None, :]).all(axis=-1)
-            found = match.any(axis=1)
-            last = match.shape[1] - 1 - np.argmax(match[:, ::-1], axis=1)    # latest occurrence
-            start[rows[found]] = last[found] + n
+        return self.search(mat, lens, ks)
+
+    def propose_requests(self, reqs, ks: np.ndarray) -> list[list[int]]:
+        """Drafts from the requests' rows in the token history (kept between steps)."""
+        if not len(reqs):
+            return []
+        slots, lens = self.history.sync(reqs)
+        return self.search(self.history.matrix(slots, lens), lens, ks)
+
+    def search(self, mat: np.ndarray, lens: np.ndarray, ks: np.ndarray) -> list[list[int]]:
+        """Prompt lookup over `mat` (rows right-aligned, PAD-filled, row i's last lens[i]
+        columns its tokens): at most ks[i] drafts for row i.
+
+        Windows are aligned by their last token e (e <= width - 2: a token follows). After
+        pass j, match[:, e] says the j + 1 tokens ending at e equal the row's last j + 1
+        tokens, so every suffix length costs one comparison of the matrix, and the longest
+        length with a match wins, at its latest occurrence."""
+        b, width = mat.shape
         kmax = int(ks.max()) if len(ks) else 0
-        if kmax == 0:
+        if kmax == 0 or width < 2:
             return [[] for _ in range(b)]
+        start = np.full(b, -1, dtype=np.int64)       # where each draft starts in mat, -1: no match
+        match = np.ones((b, width - 1), dtype=bool)
+        last = width - 2 - np.arange(width - 1)      # e of each column of match[:, ::-1]
+        for j in range(min(self.n_max, width - 1)):
+            match[:, j:] &= mat[:, : width - 1 - j] == mat[:, width - 1 - j, None]
+            match[:, :j] = False
+            n = j + 1
+            if n < self.n_min:
+                continue
+            found = match.any(axis=1) & (lens > n)    # a suffix of n tokens needs n + 1 tokens
+            e = last[np.argmax(match[:, ::-1], axis=1)]           # the latest window
+            start = np.where(found, e + 1, start)    # longer suffixes come later and win
         cols = start[:, None] + np.arange(kmax)[None, :]
         valid = (start[:, None] >= 0) & (cols < width) & (np.arange(kmax)[None, :] < ks[:, None])
         drafts = mat[np.arange(b)[:, None], np.clip(cols, 0, width - 1)]
