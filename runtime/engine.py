@@ -44,6 +44,7 @@ from runtime.spec_decode.config import SpeculativeConfig
 from runtime.spec_decode.decoder import SpecDecoder
 from runtime.spec_decode.draft import DraftProposer
 from runtime.spec_decode.mtp_proposer import MTPProposer
+from runtime.spec_decode.timing import device_clock
 from runtime import thread_guard
 from runtime.thread_guard import ThreadGuard
 
@@ -166,7 +167,7 @@ class Engine:
             return None
         proposer = DraftProposer(cfg, spec, where) if cfg.method == "draft" else \
             MTPProposer(cfg, spec, where) if cfg.method == "mtp" else None
-        return SpecDecoder(cfg, self.max_model_len, proposer)
+        return SpecDecoder(cfg, self.max_model_len, proposer, clock=device_clock(self.config.device))
 
     def warm_up(self, params: SamplingParams) -> None:
         """Run one short request end to end (compiles the forward when compile is on)."""
@@ -337,6 +338,9 @@ class Engine:
         (a FINAL_ONLY request only when it finishes)."""
         if self._thread_guard is not None:
             self._thread_guard.tick()
+        # Speculation's cost model fits the whole step as the engine spends it (schedule,
+        # forward, sampling / verification, bookkeeping, outputs), not the forward alone.
+        started = self.spec_decoder.clock() if self.spec_decoder is not None else 0.0
         so = self.scheduler.schedule()
         if so.is_empty:
             # Only removals (and maybe fork copies) this step: the runner still applies them.
@@ -350,9 +354,7 @@ class Engine:
             return []
         if self._structured is not None and self._structured.matchers:
             so.grammar_bitmask = self._structured.bitmask(self._sampling_now(so))
-        started = time.perf_counter()
         result = self.executor.execute(so)
-        elapsed = time.perf_counter() - started
         outputs = [out for out in map(self._record_prompt_logprobs, (result.prompt_logprobs or {}).items())
                    if out is not None]
         updated = self.scheduler.update(so, result.sampled, result.logprobs, result.spec)
@@ -364,7 +366,7 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         if self.spec_decoder is not None:     # record this step's acceptance, propose the next drafts
-            self.spec_decoder.step(result.spec, self.scheduler.running, so, elapsed)
+            self.spec_decoder.step(result.spec, self.scheduler.running, so, self.spec_decoder.clock() - started)
         return outputs
 
     def _sampling_now(self, so) -> list[str]:

@@ -183,3 +183,42 @@ def test_decoder_measures_the_proposer_and_turns_itself_off_at_batch_32(forwards
     for d in (0, 2, 4, 0, 1, 3):            # batch 1 measured, drafting steps included
         dec.step(None, one, _so(one, d), decode_seconds(1, d))
     assert dec.cap == 4 and len(one[0].spec_token_ids) == 4 and prop.calls > calls
+
+
+def test_engine_fits_the_whole_step_with_its_host_work(tiny_hf, monkeypatch):
+    """Engine.step on a fake clock: the forward (executor.execute) takes A + B * tokens, and
+    the scheduler's update after it H per verified draft (host work outside the forward).
+    The decoder fits the whole step, so at the run's batch of 4 a draft costs B + H, not B:
+    acceptance 0.5 then pays for no draft (it would with H left out), 0.95 still does."""
+    from runtime import LLM
+    from runtime.spec_decode import decoder as decoder_mod
+    from tests.conftest import TINY_VOCAB
+    from tests.test_parity import _prompts
+    from tests.test_spec_decode import Echo, _all_free, _run
+    H = 0.004
+    path, _ = tiny_hf("llama")
+    monkeypatch.setattr(decoder_mod, "make_proposer", lambda cfg: Echo())
+    llm = LLM(path, speculative={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    eng, clock = llm.engine, SimpleNamespace(t=0.0)
+    dec = eng.spec_decoder
+    dec.clock = lambda: clock.t
+    execute, update, k = eng.executor.execute, eng.scheduler.update, dec._k
+
+    def timed_execute(so):
+        clock.t += A + B * so.total_num_scheduled_tokens
+        return execute(so)
+
+    def timed_update(so, *args, **kwargs):
+        clock.t += H * sum(map(len, so.spec_token_ids.values()))
+        return update(so, *args, **kwargs)
+    monkeypatch.setattr(eng.executor, "execute", timed_execute)
+    monkeypatch.setattr(eng.scheduler, "update", timed_update)
+    dec._k = lambda req, *a, **kw: min(k(req, *a, **kw), (0, 1, 2, 4)[dec.steps % 4])   # drafts vary
+    prompt = _prompts(TINY_VOCAB)[5]
+    _run(llm, [prompt] * 4, SamplingParams(temperature=0, max_tokens=60, min_tokens=60))
+    assert dec.cost.decode.counts[2 * 2] > 5 and dec.cost.decode.counts[2 * 2 + 1] > 5   # batch 4: both regimes
+    for d in (0, 4, 8, 16):
+        assert dec.cost.verify_seconds(4, d) == pytest.approx(A + B * (4 + d) + H * d, rel=0.03)
+    assert dec.cost.cap(4, np.full(4, 0.5), np.full(4, 4), lambda c: 0) == 0
+    assert dec.cost.cap(4, np.full(4, 0.95), np.full(4, 4), lambda c: 0) > 0
+    _all_free(llm)

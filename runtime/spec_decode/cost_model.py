@@ -10,6 +10,11 @@ It is fitted online, from the engine's own step times, and has three parts:
   drafting step was tried and dropped: steps draft 3-4 tokens per row nearly always, so the
   two drafting terms could not be told apart, and under load the fit swung to +55 ms a draft
   and -150 ms a drafting step at batch 1 (measured). That switched off drafts that paid.
+  The seconds are the engine's whole step (Engine.step: schedule, forward, sampling or
+  verification, the scheduler's bookkeeping, the outputs; the proposer is timed apart),
+  not the forward alone: the host work a verified step adds (lookahead slots, rejection,
+  rollback, several tokens per request to hand out) is part of what a draft costs, and
+  timing only the forward left it out (ngram at batch 32 on copy: 0.96x of off, issue 19).
 - Prefill: steps that carry a prefill chunk are fitted apart, as a' + b' * tokens. Their
   tokens skip the LM head and come in long chunks, so they are cheaper than decode tokens, and
   mixing them in made drafts at batch 32 look almost free (issue 19). The prefill fit is only
@@ -91,9 +96,9 @@ class DecayedFit:
 
 class StepCost:
     def __init__(self):
-        # [1, N, D] -> execute seconds of a decode-only step; regime 2 * bucket + (any draft)
+        # [1, N, D] -> engine seconds of a decode-only step; regime 2 * bucket + (any draft)
         self.decode = DecayedFit(3, 2 * BUCKETS)
-        self.prefill = DecayedFit(2)      # [1, tokens] -> execute seconds of a step with a prefill chunk
+        self.prefill = DecayedFit(2)      # [1, tokens] -> engine seconds of a step with a prefill chunk
         self.overhead = 0.0               # seconds per proposal call beyond the draft's forwards
         self.per_forward = 0.0            # seconds per draft-model / MTP forward in a proposal
         self.calls = 0
@@ -101,8 +106,8 @@ class StepCost:
 
     # ------------------------------------------------------------------ observations
     def observe_step(self, rows: int, drafts: int, tokens: int, seconds: float) -> None:
-        """One executed step: `rows` scheduled requests, `drafts` draft tokens among its
-        `tokens` scheduled tokens. It is a decode-only step when tokens == rows + drafts."""
+        """One engine step of `seconds`: `rows` scheduled requests, `drafts` draft tokens among
+        its `tokens` scheduled tokens. It is a decode-only step when tokens == rows + drafts."""
         if tokens == rows + drafts:
             self.decode.observe((1.0, tokens, drafts), seconds, 2 * bucket(rows) + (drafts > 0))
         else:
@@ -151,7 +156,7 @@ class StepCost:
         return self.decode.w[2 * bucket(rows) + 1] > 0
 
     def verify_seconds(self, rows: int, drafts: np.ndarray) -> np.ndarray:
-        """Predicted execute seconds of a decode step of `rows` rows and `drafts` drafts (array)."""
+        """Predicted engine seconds of a decode step of `rows` rows and `drafts` drafts (array)."""
         a, b, e = self.theta(rows)
         d = np.asarray(drafts, dtype=np.float64)
         return np.maximum(a + b * (rows + d) + max(e, -b) * d, 1e-9)

@@ -123,7 +123,8 @@ class SpecDecoder:
 
     def step(self, results: dict | None, running: list[Request], so=None, seconds: float = 0.0) -> None:
         """Record the last step (its verified drafts; `so`, its SchedulerOutput, and its
-        execute `seconds`, for the cost model), then propose for the next one."""
+        engine `seconds`, the whole step but the proposer, for the cost model), then
+        propose for the next one."""
         if so is not None and so.total_num_scheduled_tokens:
             drafts = sum(map(len, so.spec_token_ids.values()))
             self.cost.observe_step(len(so.num_scheduled_tokens), drafts, so.total_num_scheduled_tokens, seconds)
