@@ -15,7 +15,10 @@ state are exact for positions below). Two places run it:
 - `shadow`, inside the target's step right after the target's forward and before the
   step's state checkpoints are saved: the draft computes the committed tokens of the step
   it has not seen (a prefill chunk, a decode's input token), so every published block and
-  every state checkpoint holds the draft's KV / state of the same tokens as the target's;
+  every state checkpoint holds the draft's KV / state of the same tokens as the target's.
+  A request at the end of its tokens may leave the draft behind instead (`may_lag`) while
+  no such block or checkpoint is made: a request that does not speculate then costs no
+  draft forward, and the next proposal's catch-up computes the tokens it skipped;
 - `propose`, after the step (engine side, `DraftProposer`): for the speculating requests,
   one forward catches the draft up on the tokens it has not seen (the accepted drafts and
   the target's bonus token, or the one sampled token), whose last position gives draft 1,
@@ -34,17 +37,17 @@ request the pool has no room for proposes nothing this step.
 """
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from attention import ForwardContext, set_forward_context
-from cache.kv_cache_spec import KVCacheSpec, StateSpec
+from cache.kv_cache_spec import KVCacheSpec, SlidingWindowSpec, StateSpec
 from runtime.spec_decode.config import SpeculativeConfig
 from runtime.spec_decode.draft_sampling import sample_drafts
 from runtime.spec_decode.proposer import Proposer
+from runtime.spec_decode.timing import device_clock
 from runtime.worker.step_plan import StepBatch, plan_layers
 
 
@@ -71,7 +74,11 @@ class DraftModel:
         self.q: dict[str, torch.Tensor] = {}    # request id -> [k, V] distributions its last drafts came from
         self.num_forwards = 0                   # draft forwards run (tests, bench, the cost model)
         self.forward_seconds = 0.0              # and the seconds they took
+        self.clock = device_clock(runner.device)
         self._verified = None                   # (rows, drafts, num_tokens) of the step's speculating rows
+        # Lag (`may_lag`): off until `allow_lag` says the engine's set-up permits it.
+        self.lag = False
+        self.publishes = True                   # prefix caching publishes full blocks (and checkpoints)
 
     def update_batch(self, so) -> None:
         """Follow the scheduler's delta: a request (re)entering the batch starts at its
@@ -137,10 +144,10 @@ class DraftModel:
         ids_t = torch.from_numpy(b.token_ids[req_rows, positions + shift]).to(r.device)
         pos_t = torch.from_numpy(positions).to(r.device)
         extra = () if hidden is None else (hidden,)
-        started = time.perf_counter()
+        started = self.clock()
         hidden = self.run(meta, ids_t, pos_t, *extra)
         self.num_forwards += 1
-        self.forward_seconds += time.perf_counter() - started
+        self.forward_seconds += self.clock() - started
         return hidden[torch.from_numpy(cu - 1).to(r.device)]
 
     def run(self, meta: list, ids_t: torch.Tensor, pos_t: torch.Tensor, *extra) -> torch.Tensor:
@@ -159,28 +166,60 @@ class DraftModel:
         """After verification: a row that accepted every draft commits draft k, which the
         draft never ran on (its lookahead stops at draft k-1); the scheduler publishes the
         step's full blocks right after, and a request finishing now never proposes again,
-        so the draft catches those rows up to their computed tokens here, before any block
-        holding them is published (work the next catch-up would otherwise do)."""
+        so the draft catches those rows up to their computed tokens here where a block
+        holding them is published now (`may_lag`); the others wait for the next catch-up."""
         if self._verified is None:
             return
         rows, nd, n = self._verified
         self._verified = None
         computed = self.runner.batch.num_tokens[rows].astype(np.int64) - 1
-        gap = np.flatnonzero(computed - n == nd)           # accepted = drafts: the last was never input
+        gap = computed - n == nd                           # accepted = drafts: the last was never input
+        seen = self._seen(rows)
+        gap = np.flatnonzero(gap & ~self.may_lag(rows, computed, seen))
         if not len(gap):
             return
-        rows, computed = rows[gap], computed[gap]
-        seen = self._seen(rows)
+        rows, computed, seen = rows[gap], computed[gap], seen[gap]
         self._forward(rows, seen, computed - seen)
         ids = self.runner.batch.req_ids
         for row, c in zip(rows.tolist(), computed.tolist()):
             self.seen[ids[row]] = c
 
+    def allow_lag(self, engine) -> None:
+        """Whether the draft may leave committed tokens uncomputed (`may_lag`): not when a
+        preempted request can be swapped out (its pages come back as computed, whatever the
+        draft had seen), and not with a sliding-window draft group (its old blocks are freed
+        by the target's computed count, and a late catch-up would read freed keys)."""
+        cfg = engine.config
+        swap = bool(cfg.kv_host_tier_bytes) and cfg.preemption_mode != "recompute"
+        sliding = any(isinstance(g.spec, SlidingWindowSpec) and max(g.layer_ids) >= self.offset
+                      for g in self.runner.kv_config.groups)
+        self.lag = not (swap or sliding)
+        self.publishes = engine.kv_manager.enable_caching
+
+    def may_lag(self, rows: np.ndarray, end: np.ndarray, seen: np.ndarray) -> np.ndarray:
+        """Rows whose draft may stay at `seen` while their committed tokens reach `end`.
+
+        The catch-up forward of the next proposal computes what the draft has not seen, so
+        a request that does not speculate (the cost model's cap is 0, or it is paused) costs
+        no draft forward per step. Pages must not claim what the draft never computed, so it
+        catches up whenever the step publishes a block past `seen` (prefix caching publishes
+        every full block of committed tokens after the step; state checkpoints lie on block
+        boundaries). Beams never lag: beam search forks them between steps, and a child
+        starts with the parent's pages as the draft's."""
+        if not self.lag:
+            return np.zeros(len(rows), dtype=bool)
+        ok = ~self.runner.batch.external[rows]
+        if self.publishes:
+            ok &= end // self.runner.kv_config.block_size * self.runner.kv_config.block_size <= seen
+        return ok
+
     def shadow(self, rows: np.ndarray, num_sched: np.ndarray, computed_before: np.ndarray,
                hidden: torch.Tensor | None = None) -> None:
         """In the target's step (before its checkpoints are saved): the committed tokens of
-        the step the draft has not computed yet. A speculating row's drafts are not
-        committed (they lie past num_tokens) and are left out."""
+        the step the draft has not computed yet, for the rows that may not lag (a chunk
+        that ends short of the request's tokens, e.g. at the fork point of n > 1 samples,
+        never does). A speculating row's drafts are not committed (they lie past
+        num_tokens) and are left out."""
         n = self.runner.batch.num_tokens[rows]
         end = np.minimum(computed_before + num_sched, n)
         nd = computed_before + num_sched - end             # drafts verified this step per row
@@ -188,7 +227,7 @@ class DraftModel:
         self._verified = (rows[spec], nd[spec], n[spec].astype(np.int64)) if len(spec) else None
         seen = self._seen(rows)
         lens = end - seen
-        todo = lens > 0
+        todo = (lens > 0) & ~(self.may_lag(rows, end, seen) & (end == n))   # not a chunk short of the end
         if todo.any():
             self._forward(rows[todo], seen[todo], lens[todo])
             ids = self.runner.batch.req_ids
@@ -291,6 +330,7 @@ class DraftProposer(Proposer):
         """Attach the draft to the engine's runner and cache manager (after both exist)."""
         self.kv, runner = engine.kv_manager, engine.runner
         runner.draft = self.runner_draft = DraftModel(runner, self.model, self.offset)
+        self.runner_draft.allow_lag(engine)
 
     def forwards(self, k: int) -> int:
         """A proposal of k drafts: the catch-up forward (draft 1), then k - 1 lookahead steps."""
