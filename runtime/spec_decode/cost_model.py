@@ -37,7 +37,13 @@ Two decisions are taken from the model (`SpecDecoder.step`):
   Request i with acceptance rate alpha_i and k_i drafts is expected to commit
   1 + sum_{j <= k_i} alpha_i^j tokens. Every cap K in 0..max(ks) is scored by expected
   tokens / predicted seconds (verification plus the proposer's overhead and forwards at K).
-  The best score wins, and ties go to the smaller K. At a batch-size bucket where no drafting
+  The best score wins, and ties go to the smaller K; drafting (K > 0) must beat the plain
+  step by `MARGIN`. At batch 32 on this CPU a draft token costs ~70% of a row token (8 ms
+  against 11 ms, measured), so even acceptance 0.84 gains only ~5% a step, about the fit's
+  error, and a closed batch then pays for the requests it let run ahead: they finish
+  early and leave the rest to run at a smaller, less efficient batch (copy at batch 32 ran
+  0.96x of off that way, issue 19). At batch 1 a paying draft gains far more than the
+  margin. At a batch-size bucket where no drafting
   step was seen yet, the cap is at most 1. At batch 32 on a CPU a draft token costs about a
   row token, so an optimistic k = 4 round there costs several steps' time, and one draft
   per request is enough to measure the cost.
@@ -54,6 +60,7 @@ EMA = 0.2             # weight of the latest proposal call in the proposer's tim
 MIN_STEPS = 8         # steps (decode or prefill) seen before the model decides anything
 BUCKETS = 10          # decode steps are kept per batch-size bucket floor(log2(rows)): 1, 2-3, 4-7, ...
 BUCKET_PRIOR = 0.01   # the all-bucket fit, as a bucket's prior, counts as this many observations
+MARGIN = 0.05         # a drafting cap must beat the plain step's expected tokens per second by this
 
 
 def bucket(rows: int) -> int:
@@ -187,7 +194,9 @@ class StepCost:
         drafts = k.sum(axis=0)
         fwd = np.array([forwards(int(c)) for c in caps])
         seconds = self.verify_seconds(rows, drafts) + np.where(drafts > 0, self.proposer_seconds(fwd), 0.0)
-        return int(np.argmax(tokens / seconds))
+        score = tokens / seconds
+        score[1:] /= 1.0 + MARGIN
+        return int(np.argmax(score))
 
     def describe(self, rows: int) -> str:
         """One line for bench output: the fit at `rows` rows."""
