@@ -46,7 +46,6 @@ from runtime.spec_decode.draft import DraftProposer
 from runtime.spec_decode.mtp_proposer import MTPProposer
 from runtime.spec_decode.timing import device_clock
 from runtime import thread_guard
-from runtime.thread_guard import ThreadGuard
 
 log = logging.getLogger("zooinfer")
 
@@ -98,7 +97,7 @@ class Engine:
         phase("weights")
         if config.device == "cpu":
             cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
-        self._thread_guard = ThreadGuard() if (config.adaptive_threads and thread_guard.env_enabled()
+        self._thread_guard = thread_guard.ThreadGuard() if (config.adaptive_threads and thread_guard.env_enabled()
                                                and config.device == "cpu" and config.tensor_parallel_size == 1
                                                and config.pipeline_parallel_size == 1) else None
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
@@ -336,8 +335,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for each request that got a token this step
         (a FINAL_ONLY request only when it finishes)."""
-        if self._thread_guard is not None:
-            self._thread_guard.tick()
+        guard = self._thread_guard
+        if guard is None:
+            return self._step()
+        guard.tick()
+        try:
+            return self._step()
+        finally:
+            guard.ended()
+
+    def _step(self) -> list[RequestOutput]:
         # Speculation's cost model fits the whole step as the engine spends it (schedule,
         # forward, sampling / verification, bookkeeping, outputs), not the forward alone.
         started = self.spec_decoder.clock() if self.spec_decoder is not None else 0.0
