@@ -26,7 +26,7 @@ import functools
 import torch
 
 Q8_MAX_ROWS = 16    # quant_linear_q8 serves decode steps up to this many rows (DECODE_ROWS)
-Q8_GEMM_MIN_ROWS = 4   # from this many rows the GEMM-ordered kernel is faster (bench.quant_linears)
+Q8_GEMM_MIN_ROWS = 8   # from this many rows the GEMM-ordered kernel is faster (bench.quant_linears)
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 
