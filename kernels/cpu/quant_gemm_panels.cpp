@@ -83,6 +83,10 @@ ZI_AVX512 void dequant_panel(const Cols& c, int64_t pl, int64_t k0, int64_t kc, 
     for (int64_t j = 0; j < 16; ++j) ptr[j] = col0 + j < w.n ? w.qs + (col0 + j) * w.row_bytes() : zeros;
     float* d = dst + h * 16;
     for (int64_t k = k0; k < k0 + kc; k += 32) {
+      // the same rows' bytes of the next k block prefetched, a line per row every 64 bytes read
+      const int64_t ahead = (k + KC) * w.row_bytes() / w.k;
+      if (k + KC < w.k && ahead % 64 < (w.bits == 4 ? 16 : 32))
+        for (int64_t j = 0; j < 16; ++j) __builtin_prefetch(ptr[j] + ahead, 0, 0);
       if (w.bits == 4) {   // byte i of a block: weight i low nibble, weight i + 16 high nibble
         const int64_t g = k / w.group;
         const __m512 s = _mm512_loadu_ps(c.st.data() + g * c.ld + col0);
