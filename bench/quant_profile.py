@@ -1,7 +1,7 @@
 """Where a batch-1 decode step of a quantized model spends its time: ``python -m bench.quant_profile``.
 
     python -m bench.quant_profile [--model gemma3] [--quantization gguf] [--activations int8]
-        [--steps 32] [--threads 1]
+        [--steps 32] [--threads 1] [--no-quant-head]
 
 One request (a 32-token prompt) is prefilled, then `--steps` decode steps are timed twice:
 plainly (wall ms per step, median) and under torch.profiler, whose ops are put in buckets:
@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--activations", default="int8", choices=("float32", "int8"))
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quant-head", action=argparse.BooleanOptionalAction, default=True,
+                    help="greedy steps on the quantized head's screen (kernels/quant_head.py); "
+                         "--no-quant-head: logits then argmax, as before it")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     from kernels import lm_head
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     llm = build(args.model, args.quantization, args.activations)
     engine = llm.engine
     model = engine.model
+    if not args.quant_head:
+        model.lm_head.quant_screen = None
     _mark(lm_head.GreedyHead, "__call__", "bench::head")
     _mark(model.embed_tokens, "forward", "bench::embedding")
     sp = SamplingParams(temperature=0, max_tokens=2 * args.steps + 16, ignore_eos=True)
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             continue
         ms[_bucket(evt)] += evt.self_cpu_time_total / 1e3 / args.steps
     step = statistics.median(wall)
-    print(f"{args.model} {args.quantization} activations {args.activations}, threads {args.threads}, "
+    print(f"{args.model} {args.quantization} activations {args.activations}, quant head {args.quant_head}, "
+          f"threads {args.threads}, "
           f"load {os.getloadavg()[0]:.1f}: decode step {step:.2f} ms median ({min(wall):.2f}-{max(wall):.2f}), "
           f"{1e3 / step:.1f} tok/s; under the profiler {profiled:.2f} ms (the table's step)")
     step = profiled

@@ -7,7 +7,8 @@ every weight to fp32; the int8-activation kernel (kernels/cpu/quant_gemv_q8.cpp,
 the same product in integer dot products at a fraction of the instructions, but is not exact.
 A greedy step needs only the argmax, and that can be made exact cheaply:
 
-1. a = the int8-activation product x W^T (x rounded to int8 per 32-block, `quant_linear_q8`);
+1. a = the int8-activation product x W^T (x rounded to int8 per 32-block, `quant_linear_q8`'s
+   formula; an 8-bit head, Q8_0 or int8, on a kernel of its own: kernels/cpu/quant_head.cpp);
 2. every row n satisfies |a_n - e_n| <= B, with e the exact fp32 decode product
    (`quant_linear`), where, with x^ the rounded x and W_int the integer part the int8 kernel
    multiplies by x^ (scale * q as the kernels read q; quant_gemv_q8.cpp's header):
@@ -95,10 +96,10 @@ def _exact(x: torch.Tensor, head, rows: torch.Tensor | None = None) -> torch.Ten
                                    min_d=pick(head.min_d))
 
 
-def error_bound(x: torch.Tensor, screen: QuantHeadScreen) -> torch.Tensor:
+def error_bound(x: torch.Tensor, screen: QuantHeadScreen, xq_d: tuple | None = None) -> torch.Tensor:
     """B per row of x [M, K] (float64 [M]): |int8-activation logit - exact logit| <= B for
-    every vocab row (module docstring)."""
-    xq, d = quant_gemm.quantize_activations_q8(x)
+    every vocab row (module docstring); `xq_d`: x as `quantize_activations_q8` rounds it, if known."""
+    xq, d = quant_gemm.quantize_activations_q8(x) if xq_d is None else xq_d
     xd = x.double()
     xhat = xq.double() * d.double().repeat_interleave(32, dim=1)
     err, xn, xhn = (xd - xhat).norm(dim=1), xd.norm(dim=1), xhat.norm(dim=1)
@@ -113,13 +114,23 @@ def quant_argmax(x: torch.Tensor, head, screen: QuantHeadScreen) -> torch.Tensor
     x2 = x.reshape(-1, head.in_features).float()
     if k_pad != head.in_features:
         x2 = F.pad(x2, (0, k_pad - head.in_features))
-    approx = quant_gemm.quant_linear_q8(x2, head.qs, head.scale, head.minv, head.bits, head.group, head.zero,
-                                        None, qh=head.qh, scale_d=head.scale_d, min_d=head.min_d)
-    cols = candidates(approx, 2 * error_bound(x2, screen))   # all columns for non-finite x (a NaN / inf margin)
+    xq_d = quant_gemm.quantize_activations_q8(x2)
+    if _plain_8bit(head):      # Q8_0 / int8: the head's own kernel (kernels/cpu/quant_head.cpp)
+        approx = torch.ops.zooinfer_cpu.quant_head_logits_q8.default(*xq_d, head.qs, head.scale, head.group)
+    else:
+        approx = quant_gemm.quant_linear_q8(x2, head.qs, head.scale, head.minv, head.bits, head.group, head.zero,
+                                            None, qh=head.qh, scale_d=head.scale_d, min_d=head.min_d)
+    cols = candidates(approx, 2 * error_bound(x2, screen, xq_d))   # all columns for non-finite x (a NaN / inf margin)
     # a column that is a candidate for another row only is below this row's exact maximum
     # (module docstring), so the argmax over the union is each row's; cols ascend: first index wins
     exact = _exact(x2, head, cols if cols.numel() < head.out_features else None)   # all rows: no copy
     return cols[lm_head.argmax(exact)]
+
+
+def _plain_8bit(head) -> bool:
+    """An 8-bit head with one fp16 / fp32 scale per group of a multiple of 32, no min, no zero."""
+    return (head.bits == 8 and head.minv is None and head.zero == 0 and head.scale_d is None and head.group % 32 == 0
+            and head.scale.dtype in (torch.float16, torch.float32))
 
 
 def candidates(logits: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:

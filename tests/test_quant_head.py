@@ -181,3 +181,26 @@ def test_candidates_are_the_columns_within_the_margin_of_a_rows_maximum():
     logits[1, 7] = float("nan")
     assert torch.equal(candidates(logits, torch.zeros(2, dtype=torch.float64)), torch.arange(40))
     assert torch.equal(candidates(logits[:1], torch.tensor([float("inf")], dtype=torch.float64)), torch.arange(40))
+
+
+def test_the_8bit_heads_kernel_is_the_int8_formula():
+    """`quant_head_logits_q8` (Q8_0 / int8 heads) computes quant_linear_q8's formula to fp32
+    rounding: fp16 and fp32 scales, groups of 32 and per channel, K ending in a 32-weight chunk
+    tail, 1-16 rows (every register tile)."""
+    from kernels import quant_gemm
+    from tests.test_quant import _bound
+    g = torch.Generator().manual_seed(21)
+    q8 = [c for c in WEIGHTS if c[1].bits == 8 and c[1].min is None]
+    assert {c[1].group for c in q8} > {32}                          # Q8_0 and per-channel int8 both
+    for name, qw, _ in q8 + [("fp32-g64", QuantWeight(8, 64, 0, torch.randint(-127, 128, (29, 192), generator=g,
+                                                                            dtype=torch.int8),
+                                                      torch.rand(29, 3, generator=g) + 0.1, None, 192, "g64"), None)]:
+        for rows in (1, 2, 3, 4, 5, 16):
+            x = torch.randn(rows, qw.k_pad, generator=g) * 2
+            x[:, qw.k:] = 0
+            xq, d = quant_gemm.quantize_activations_q8(x)
+            got = torch.ops.zooinfer_cpu.quant_head_logits_q8.default(xq, d, qw.qs, qw.scale, qw.group)
+            want = quant_gemm.quant_linear_q8(x, qw.qs, qw.scale, None, 8, qw.group, 0, None)
+            xhat = xq.float() * d.repeat_interleave(32, dim=1)
+            tol = _bound(torch.maximum(x.abs(), xhat.abs())[:, :qw.k], qw) + 1e-6 * want.abs()
+            assert ((got - want).abs() <= tol).all(), (name, rows, (got - want).abs().max())
