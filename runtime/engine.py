@@ -45,7 +45,6 @@ from runtime.spec_decode.decoder import SpecDecoder
 from runtime.spec_decode.draft import DraftProposer
 from runtime.spec_decode.mtp_proposer import MTPProposer
 from runtime import thread_guard
-from runtime.thread_guard import ThreadGuard
 
 log = logging.getLogger("zooinfer")
 
@@ -97,7 +96,7 @@ class Engine:
         phase("weights")
         if config.device == "cpu":
             cpu_features.log_once(log)   # CPU model, flags and the kernel paths, once per process
-        self._thread_guard = ThreadGuard() if (config.adaptive_threads and thread_guard.env_enabled()
+        self._thread_guard = thread_guard.ThreadGuard() if (config.adaptive_threads and thread_guard.env_enabled()
                                                and config.device == "cpu" and config.tensor_parallel_size == 1
                                                and config.pipeline_parallel_size == 1) else None
         tok_dir = spec.resolve_path(spec.tokenizer) if spec.tokenizer else ckpt
@@ -335,8 +334,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration. Returns an output for each request that got a token this step
         (a FINAL_ONLY request only when it finishes)."""
-        if self._thread_guard is not None:
-            self._thread_guard.tick()
+        guard = self._thread_guard
+        if guard is None:
+            return self._step()
+        guard.tick()
+        try:
+            return self._step()
+        finally:
+            guard.ended()
+
+    def _step(self) -> list[RequestOutput]:
         so = self.scheduler.schedule()
         if so.is_empty:
             # Only removals (and maybe fork copies) this step: the runner still applies them.
