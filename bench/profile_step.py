@@ -158,6 +158,7 @@ class StepTimer:
         runner.model.compute_logits = compute_logits
         # The model's GreedyHead calls these by module name; one engine per bench process.
         lm_head.linear_argmax, lm_head.screened_argmax = timed(lm_head.linear_argmax), timed(lm_head.screened_argmax)
+        lm_head.quant_head.quant_argmax = timed(lm_head.quant_head.quant_argmax)   # a quantized head's
 
     def reset(self) -> None:
         self.records.clear()

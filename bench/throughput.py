@@ -14,7 +14,9 @@ EOS ignored. Every engine is fed token ids, never text.
   one `generate` call (continuous batching, chunked prefill, paged KV), in this process.
   Prefix caching is off unless `--prefix-caching`: rounds repeat the same prompts, and a cache
   kept from the previous round would time cache hits, not generation. `--quantization`
-  overrides the quantization method for ours only (e.g. int8; the peers always run fp32). The
+  overrides the quantization method for ours only (e.g. int8; the peers always run fp32);
+  `ours-q8` runs beside it with the same weights and int8 activations, `ours-fp32` with the fp32
+  weights (`--engines ours,ours-q8,ours-fp32,openvino`). The
   `smollm2` checkpoint directory loads as fp32 (no GGUF next to it, so `gguf` is refused
   there); the zoo spec zoo/smollm2-135m.yaml is the one that defaults to its GGUF blocks.
 - hf:    `AutoModelForCausalLM.generate`, static batches of `--hf-batch` in input order, left
@@ -134,13 +136,16 @@ class Ours:
     name = "ours"
 
     def __init__(self, path: Path, max_model_len: int | None, prefix_caching: bool = False,
-                 compile: bool = False, name: str = "ours", quantization: str | None = None):
+                 compile: bool = False, name: str = "ours", quantization: str | None = None,
+                 activations: str | None = None):
         from runtime import LLM, SamplingParams
         self.name = name
         kwargs = dict(max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
                       enable_prefix_caching=prefix_caching, compile=compile)
         if quantization is not None:
             kwargs["quantization"] = quantization
+        if activations is not None:
+            kwargs["quantization_activations"] = activations
         if max_model_len:
             kwargs["max_model_len"] = max_model_len
         self.llm = LLM(str(path), **kwargs)
@@ -227,7 +232,9 @@ def profile_ours(ours: Ours, prompts, new_tokens: int, seconds: float, top: int 
     return f"cProfile of ours: {runs} run(s), {time.perf_counter() - t0:.1f} s\n" + buf.getvalue()
 
 
-IN_PROCESS = ("ours", "ours-compiled")
+IN_PROCESS = ("ours", "ours-compiled", "ours-q8", "ours-fp32")
+# beside "ours" in the same run: its weights with int8 activations; the fp32 weights (quantization none)
+OURS_VARIANTS = {"ours-q8": (None, "int8"), "ours-fp32": ("none", None)}
 HF_PEERS = ("hf", "hf-cb")   # the project venv's python, in a process of their own (bench/peers/run_hf.py)
 
 
@@ -314,6 +321,12 @@ def main(argv: list[str] | None = None) -> int:
                     eng = Ours(path, args.max_model_len, args.prefix_caching, True, name=name,
                                quantization=args.quantization)
                     versions[name] = "zooinfer compiled" + ours_quant(eng)
+                elif name in OURS_VARIANTS:
+                    method, act = OURS_VARIANTS[name]
+                    eng = Ours(path, args.max_model_len, args.prefix_caching, args.compile, name=name,
+                               quantization=method or args.quantization, activations=act)
+                    versions[name] = "zooinfer" + (" compiled" if args.compile else " eager") + ours_quant(eng) + (
+                        ", int8 activations" if act else "")
                 elif name in HF_PEERS:
                     options = ({"mode": "cb", "max_tokens_per_request": args.max_prompt + args.new_tokens}
                                if name == "hf-cb" else {"mode": "generate", "batch": args.hf_batch})

@@ -8,6 +8,7 @@
 - `lm_head`: greedy tokens of an LM head (`GreedyHead`: the fused LM head + argmax kernels,
   the fast argmax over logits).
 - `elementwise`: fused RMSNorm, residual add + RMSNorm, act(gate) * up, rotary.
+- `quant_gemm`: linears on quantized weights; `quant_head`: greedy tokens of a quantized LM head.
 
 A leaf package: it imports nothing from runtime, models, attention or cache, and everyone
 may import it.

@@ -8,9 +8,11 @@
   rule out. The screen pass runs on the best instruction set the CPU has (`usable_screen_isas`):
   AMX tiles (kernels/cpu/screened_argmax.cpp), else AVX-512 BF16 (VDPBF16PS) or AVX2 + FMA
   (kernels/cpu/screened_lanes.cpp); each needs its own layout of the bf16 copy.
+- `quant_head.quant_argmax` (kernels/quant_head.py): a quantized head (`models.quant.QuantLinear`
+  carrying a `quant_screen`), screened with int8 activations and decided on the exact product.
 - `argmax_rows` (kernels/cpu/argmax_rows.cpp): `logits.argmax(-1)` in one vectorised pass
   per row (torch's CPU argmax over the last dim is a scalar loop).
-All three return exactly torch.argmax's index: the first maximum, NaN counting as the maximum.
+All return exactly torch.argmax's index: the first maximum, NaN counting as the maximum.
 `python -m bench.greedy_head` times them against the product + argmax they replace; the
 README ("Execution") has the numbers.
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_build, elementwise
+from kernels import cpu_build, elementwise, quant_head
 
 # Row counts for which `linear_argmax` replaces the LM head product + argmax: from 24 rows up
 # it is faster (it passes over the weight once per 64 rows but never writes or re-reads the
@@ -188,7 +190,11 @@ class GreedyHead:
     no grad, library built: `elementwise.use_kernel`), `tokens` skips the logits:
     `screened_argmax` when the head also carries a bf16 `screen` and the row count is in
     `SCREENED_ROWS` and in `SCREENED_ROWS_BY_ISA[screen.isa]`, else `linear_argmax` in `GREEDY_ROWS`. Otherwise the logits are computed
-    and `argmax` takes their argmax. Every path gives `compute_logits(hidden).argmax(-1)` exactly.
+    and `argmax` takes their argmax. Every path gives `compute_logits(hidden).argmax(-1)` exactly,
+    but for a quantized head with `quant_screen` (a `models.quant.QuantLinear`, same conditions,
+    rows in `quant_head.QUANT_ROWS`): `quant_argmax` gives the argmax of its exact fp32 decode
+    product, which is its logits' argmax with float32 activations (with `activations: int8` the
+    logits are the int8 product, whose argmax may differ where two logits nearly tie).
     """
 
     __slots__ = ("head", "logits_scaling")
@@ -199,12 +205,17 @@ class GreedyHead:
 
     def path(self, hidden: torch.Tensor) -> str:
         """The path `tokens` takes for these hidden states: "screened_argmax", "linear_argmax",
-        or "logits" (the caller computes the logits; `argmax` then picks from them)."""
+        "quant_argmax" (a quantized head with a `quant_screen`), or "logits" (the caller
+        computes the logits; `argmax` then picks from them)."""
         head = self.head
-        if (getattr(head, "kind", None) != "panel" or head.bias is not None or self.logits_scaling != 1.0
+        if (head is None or getattr(head, "bias", None) is not None or self.logits_scaling != 1.0
                 or not elementwise.use_kernel(hidden)):
             return "logits"
         rows = hidden.shape[0]
+        if getattr(head, "quant_screen", None) is not None:    # a quantized head (kernels/quant_head.py)
+            return "quant_argmax" if rows in quant_head.QUANT_ROWS else "logits"
+        if getattr(head, "kind", None) != "panel":
+            return "logits"
         screen = getattr(head, "screen", None)
         if screen is not None and rows in SCREENED_ROWS and rows in SCREENED_ROWS_BY_ISA[screen.isa]:
             return "screened_argmax"
@@ -219,6 +230,8 @@ class GreedyHead:
             return screened_argmax(hidden, head.packed, head.out_features, head.screen)
         if path == "linear_argmax":
             return linear_argmax(hidden, head.packed, head.out_features)
+        if path == "quant_argmax":
+            return quant_head.quant_argmax(hidden, head, head.quant_screen)
         return None
 
     @staticmethod

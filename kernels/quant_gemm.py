@@ -1,4 +1,4 @@
-"""Linears on quantized weights (kernels/cpu/quant_gemm.cpp): the wrappers of its three ops.
+"""Linears on quantized weights (kernels/cpu/quant_gemm*.cpp, quant_gemv_q8.cpp): the wrappers of their ops.
 
 The layout (`models.quant.QuantWeight` builds it): w[n, k] = scale[n, k // G] * (q[n, k] - zero)
 + min[n, k // G]; 4-bit weights two per byte (a 32-weight block is 16 bytes, byte j = weight j
@@ -15,6 +15,9 @@ run each of them here. All need the kernel library (`cpu_build.available()`).
 `quant_linear_q8` (kernels/cpu/quant_gemv_q8.cpp) is the decode product with x quantized to int8
 per 32-block and VNNI integer dot products (AVX-512 VNNI only, `q8_available`): not exact, within
 the bound its header states; `quantize_activations_q8` gives its int8 x for the tests.
+`quant_linear_q8_gemm` (kernels/cpu/quant_gemm_q8.cpp) computes the same formula for any number of
+rows, laid out as a GEMM (16 output columns per register, each N tile's weights unpacked once per
+block of rows); `quant_linear_int8_act` picks between the two by row count (`Q8_GEMM_MIN_ROWS`).
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import functools
 import torch
 
 Q8_MAX_ROWS = 16    # quant_linear_q8 serves decode steps up to this many rows (DECODE_ROWS)
+Q8_GEMM_MIN_ROWS = 8   # from this many rows the GEMM-ordered kernel is faster (bench.quant_linears)
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 
@@ -65,3 +69,19 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """x [M, K] as `quant_linear_q8` rounds it: int8 [M, K] and one fp32 scale per 32 [M, K // 32]."""
     q, d = torch.ops.zooinfer_cpu.quantize_activations_q8(x)
     return q, d
+
+
+def quant_linear_q8_gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
+                         bits: int, group: int, zero: int, bias: torch.Tensor | None, *,
+                         qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                         min_d: torch.Tensor | None = None) -> torch.Tensor:
+    """`quant_linear_q8`'s product (same rounding of x, same bound) for any number of rows."""
+    return torch.ops.zooinfer_cpu.quant_linear_q8_gemm(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d)
+
+
+def quant_linear_int8_act(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
+                          bits: int, group: int, zero: int, bias: torch.Tensor | None, **storage) -> torch.Tensor:
+    """The int8-activation product on the faster kernel for x's row count: the decode kernel below
+    `Q8_GEMM_MIN_ROWS` rows, the GEMM-ordered one from there on (`q8_available` must hold)."""
+    op = quant_linear_q8 if x.shape[0] < Q8_GEMM_MIN_ROWS else quant_linear_q8_gemm
+    return op(x, qs, scale, minv, bits, group, zero, bias, **storage)

@@ -19,9 +19,10 @@ tests/test_quant.py checks it bit for bit on every format).
 `QuantEmbedding` looks rows up in a `QuantWeight` (a tied head's: models/quant_gguf.py), so a
 tied model does not keep a float copy of its embedding beside the quantized head.
 
-`QuantLinear` replaces an `nn.Linear`: its product runs on the C++ kernel (decode rows
-dequantize in registers; prefill chunks dequantize a weight tile once and use at::mm), or,
-without the kernel library, dequantizes the weight in torch and calls `F.linear`. Under
+`QuantLinear` replaces an `nn.Linear`: its product runs on the C++ kernels (decode rows
+dequantize in registers; prefill chunks dequantize panels into the blocked fp32 GEMM's layout,
+kernels/cpu/quant_gemm_panels.cpp; with `activations="int8"` integer dot products at every row
+count), or, without the kernel library, dequantizes the weight in torch and calls `F.linear`. Under
 torch.compile it is the opaque custom op `zooinfer::quant_linear`.
 """
 from __future__ import annotations
@@ -224,8 +225,8 @@ def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, 
     b = None if bias is None else bias.float()
     storage = {"qh": qh, "scale_d": scale_d, "min_d": min_d}
     if x2.device.type == "cpu" and cpu_build.available():
-        if act_int8 and rows <= quant_gemm.Q8_MAX_ROWS and quant_gemm.q8_available():
-            out = quant_gemm.quant_linear_q8(x2, qs, scale, minv, bits, group, zero, b, **storage)
+        if act_int8 and quant_gemm.q8_available():
+            out = quant_gemm.quant_linear_int8_act(x2, qs, scale, minv, bits, group, zero, b, **storage)
         else:
             out = quant_gemm.quant_linear(x2, qs, scale, minv, bits, group, zero, b, **storage)
     else:   # no kernel library: dequantize in torch (correct, slower)
@@ -269,9 +270,10 @@ class _QuantBuffers(nn.Module):
 class QuantLinear(_QuantBuffers):
     """An `nn.Linear` whose weight is a `QuantWeight` (the float weight is dropped). `weight`
     gives the dequantized fp32 weight on demand, for the rare code that reads it directly.
-    `activations="int8"`: decode steps (up to 16 rows) round x to int8 per 32-block and use
-    integer dot products (kernels/cpu/quant_gemv_q8.cpp, AVX-512 VNNI CPUs; within the bound
-    stated there, not exact); prefill chunks and other CPUs keep the exact fp32 product."""
+    `activations="int8"`: every product (decode steps and prefill chunks) rounds x to int8 per
+    32-block and uses integer dot products (kernels/cpu/quant_gemv_q8.cpp for a few rows,
+    quant_gemm_q8.cpp past them; AVX-512 VNNI CPUs; within the bound stated there, not exact);
+    other CPUs keep the exact fp32 product."""
 
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None, activations: str = "float32"):
         super().__init__()

@@ -5,7 +5,8 @@ and FP8 block-scaled checkpoint tensors decoded as they are read.
 only the linears left in float): `gguf` takes the linears' blocks from the checkpoint's GGUF
 (models/quant_gguf.py), `int8` / `int4` / `int4_asym` quantize the loaded float weights
 (models/quant.py). The LM head follows `quantization.lm_head` (int8 under the 4-bit methods);
-`quantization.activations` (float32 / int8) says what x the decode products use.
+`quantization.activations` (float32 / int8) says what x the decode products use. A quantized
+head also gets the norms of its greedy screen (`attach_head_screen`, kernels/quant_head.py).
 
 FP8 (e4m3) checkpoints as DeepSeek-V3 and Qwen3-Next ship them: each `*.weight` is float8 with a
 `*.weight_scale_inv` of one float32 per 128 x 128 block (`quantization_config.weight_block_size`
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kernels.quant_head import make_quant_screen
 from models.quant import QuantLinear, quantize_int4, quantize_int8
 from models.spec import QUANT_METHODS, ModelSpec
 
@@ -59,7 +61,9 @@ def apply_quantization(model: nn.Module, spec: ModelSpec, method: str | None = N
         raise ValueError(f"quantization {method!r} runs on CPU only (the model is on {device}); use quantization='none'")
     if method == "gguf":
         from models.quant_gguf import quantize_from_gguf
-        return quantize_from_gguf(model, gguf_path(spec), lm_head=q.lm_head, activations=q.activations)
+        done = quantize_from_gguf(model, gguf_path(spec), lm_head=q.lm_head, activations=q.activations)
+        attach_head_screen(model)
+        return done
     make = {"int8": quantize_int8,
             "int4": lambda w: quantize_int4(w, q.group_size, symmetric=True),
             "int4_asym": lambda w: quantize_int4(w, q.group_size, symmetric=False)}[method]
@@ -76,7 +80,17 @@ def apply_quantization(model: nn.Module, spec: ModelSpec, method: str | None = N
         qw = (quantize_int8 if fmt == "int8" else make)(module.weight.detach())
         setattr(model.get_submodule(parent) if parent else model, child, QuantLinear(qw, bias, q.activations))
         done[name] = fmt
+    attach_head_screen(model)
     return done
+
+
+def attach_head_screen(model: nn.Module) -> None:
+    """Give a quantized LM head the norms that let greedy steps take its argmax from the int8
+    product, decided exactly (`quant_screen`, kernels/quant_head.py); nothing where that kernel
+    cannot run (the greedy head then computes the logits)."""
+    head = getattr(model, "lm_head", None)
+    if isinstance(head, QuantLinear) and head.bias is None:
+        head.quant_screen = make_quant_screen(head.qweight)
 
 
 def fp8_block_size(path: Path) -> tuple[int, int]:

@@ -26,6 +26,7 @@ class EngineConfig:
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
     adaptive_threads: bool = True           # CPU: fewer intra-op threads while other processes hold the cores (runtime/thread_guard.py)
     quantization: str | None = None         # override of the spec's quantization.method (models/quant_load.py)
+    quantization_activations: str | None = None   # override of the spec's quantization.activations (float32 / int8)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
     # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...} (runtime/spec_decode);
     # None: the spec's `speculative:` section, if any. {"method": None} turns that off.
@@ -69,6 +70,11 @@ class EngineConfig:
             from models.spec import QUANT_METHODS
             if self.quantization not in QUANT_METHODS:
                 raise ValueError(f"quantization must be one of {', '.join(QUANT_METHODS)}, got {self.quantization!r}")
+        if self.quantization_activations is not None:
+            from models.spec import QUANT_ACTIVATIONS
+            if self.quantization_activations not in QUANT_ACTIVATIONS:
+                raise ValueError(f"quantization_activations must be one of {', '.join(QUANT_ACTIVATIONS)}, "
+                                 f"got {self.quantization_activations!r}")
         if self.cuda_graphs and not str(self.device).startswith("cuda"):
             raise ValueError(f"cuda_graphs=True needs device='cuda', got device={self.device!r}")
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

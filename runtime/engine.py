@@ -77,6 +77,8 @@ class Engine:
                 raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's {spec.max_model_len}")
             spec.max_model_len = config.max_model_len
         self.max_model_len = spec.max_model_len
+        if config.quantization_activations is not None:   # x of the quantized products (models/quant.py)
+            spec.quantization.activations = config.quantization_activations
         self.spec_decoder = self._speculative(config.speculative, spec)   # validated before any weights load
         dtype_name = config.dtype or spec.dtype
         if dtype_name not in DTYPES:

@@ -2,7 +2,7 @@
 exactly its stated formula (x rounded to int8 per 32-block in the integer part, exact fp32 group
 sums in the min / zero part) to fp32 rounding, and so stays within the stated bound of
 dequantize-then-matmul, on every weight format, K tails, odd N, group sizes that are not 32,
-and every register tile of rows; the module uses it only for decode-sized inputs."""
+and every register tile of rows (the module's choice of kernel: tests/test_quant_q8_gemm.py)."""
 from __future__ import annotations
 
 import pytest
@@ -91,23 +91,6 @@ def test_q8_kernel_refuses_prefill_sized_inputs():
     with pytest.raises(RuntimeError, match="at most 16 rows"):
         quant_gemm.quant_linear_q8(torch.randn(17, qw.k_pad), qw.qs, qw.scale, qw.min, qw.bits, qw.group,
                                    qw.zero, None)
-
-
-@needs_q8
-def test_module_uses_int8_activations_for_decode_rows_only():
-    from kernels import quant_gemm
-    _, qw, _ = WEIGHTS[1]                        # Q4_1
-    bias = torch.randn(qw.n)
-    lin8, lin32 = QuantLinear(qw, bias, activations="int8"), QuantLinear(qw, bias)
-    g = torch.Generator().manual_seed(13)
-    for rows in (1, 16):
-        x = torch.randn(rows, qw.k, generator=g)
-        want = quant_gemm.quant_linear_q8(x, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, bias)
-        assert torch.equal(lin8(x), want)
-        assert not torch.equal(lin8(x), lin32(x))
-    x = torch.randn(17, qw.k, generator=g)     # a prefill chunk: the exact fp32 product
-    assert torch.equal(lin8(x), lin32(x))
-    assert "activations=int8" in repr(lin8)
 
 
 def test_activations_errors_name_the_field():

@@ -24,7 +24,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "panels.h"
+#include "panels_blocked.h"
 
 #include <algorithm>
 #include <cstring>
@@ -33,70 +33,7 @@
 namespace {
 
 using namespace zooinfer_panels;
-
-constexpr int MR = 14;          // rows per register tile: 28 accumulators + 2 panel vectors + 1 broadcast
-constexpr int64_t KC = 256;     // k steps per block: 32 KB of panel, reused by every row tile
-constexpr int64_t RB = 16;      // row tiles per packed chunk: 16 * 12 rows * 256 k * 4 B = 192 KB (L2)
-
-// c[MR, 32] (row stride ldc) = (ACCUM ? c : 0) + a_tile[kc, MR] @ panel[kc, 32] (+ add, 32 floats,
-// when not null: the bias, after the last k block); `rows` of the tile's MR are stored (the rest
-// are the zero rows past M).
-template <bool ACCUM>
-inline void micro(const float* __restrict a, const float* __restrict b, int64_t kc, float* __restrict c,
-                  int64_t ldc, const float* __restrict add, int rows) {
-  vf16 c0[MR], c1[MR];
-  if (ACCUM) {
-    for (int i = 0; i < MR; ++i) {
-      if (i < rows) {
-        c0[i] = load(c + i * ldc);
-        c1[i] = load(c + i * ldc + 16);
-      } else {
-        c0[i] = c1[i] = splat(0.f);
-      }
-    }
-  } else {
-    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = splat(0.f);
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    const vf16 b0 = load(b + k * NR), b1 = load(b + k * NR + 16);
-    const float* ak = a + k * MR;
-    for (int i = 0; i < MR; ++i) {
-      const vf16 s = splat(ak[i]);
-      c0[i] += s * b0;
-      c1[i] += s * b1;
-    }
-  }
-  if (add) {
-    const vf16 a0 = load(add), a1 = load(add + 16);
-    for (int i = 0; i < MR; ++i) {
-      c0[i] += a0;
-      c1[i] += a1;
-    }
-  }
-  for (int i = 0; i < MR; ++i) {
-    if (i < rows) {
-      store(c + i * ldc, c0[i]);
-      store(c + i * ldc + 16, c1[i]);
-    }
-  }
-}
-
-// Pack rows [m0, m0 + 12 * tiles) of x, k steps [k0, k0 + kc), as `tiles` row tiles [kc, MR].
-void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t tiles, int64_t k0, int64_t kc,
-               float* dst) {
-  for (int64_t t = 0; t < tiles; ++t) {
-    float* d = dst + t * kc * MR;
-    for (int i = 0; i < MR; ++i) {
-      const int64_t m = m0 + t * MR + i;
-      if (m < M) {
-        const float* src = x + m * ldx + k0;
-        for (int64_t k = 0; k < kc; ++k) d[k * MR + i] = src[k];
-      } else {
-        for (int64_t k = 0; k < kc; ++k) d[k * MR + i] = 0.f;
-      }
-    }
-  }
-}
+using namespace zooinfer_panels::blocked;
 
 at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                                 const c10::optional<at::Tensor>& bias) {

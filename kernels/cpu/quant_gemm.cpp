@@ -18,9 +18,11 @@
 // once, in address order, a 32-weight block at a time widened and converted in registers and
 // multiplied into up to MR rows of x at once; each group's sum is scaled by one FMA, and the
 // (min - zero * scale) part of the weights is applied as a dot product with the per-group sums of
-// x (computed once per call): sum_k x w = sum_g s_g (sum_k x q) + (min_g - zero s_g) sum_k x. Prefill (more rows): a tile of
-// weight rows is dequantized once into an fp32 buffer (in parallel) and multiplied by all M rows
-// with at::mm, so the dequantization cost is shared by every row of the chunk.
+// x (computed once per call): sum_k x w = sum_g s_g (sum_k x q) + (min_g - zero s_g) sum_k x. Prefill (more rows):
+// on the AVX-512 path the weight is dequantized a panel at a time into the blocked fp32 GEMM's layout
+// and multiplied by its register kernel (quant_gemm_panels.cpp: equal to that GEMM on the
+// dequantized weight, bit for bit); on the AVX2 / scalar paths a tile of weight rows is dequantized
+// once into an fp32 buffer (in parallel) and multiplied by all M rows with at::mm.
 //
 // Three instruction paths, picked at run time (`isa` -1: the best the CPU has; 0 scalar, 1 AVX2
 // + FMA, 2 AVX-512 F/BW): functions carry their own `target` attributes, so every path is built
@@ -33,6 +35,7 @@
 
 #include <immintrin.h>
 
+#include "quant_panels.h"
 #include "quant_storage.h"
 
 #include <algorithm>
@@ -355,6 +358,14 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& qs, const at::Ten
           else rows_scalar(t, xp, ldx, M, op + r0, N, 0, r1 - r0);
         });
       });
+    } else if (isa == 2) {   // panels dequantized into the blocked fp32 GEMM's layout (quant_gemm_panels.cpp)
+      if (bias.has_value() && bias->defined()) {
+        TORCH_CHECK(bias->numel() == N, "quant_linear: bias must have ", N, " elements, got ", bias->numel());
+        const at::Tensor bf = bias->to(at::kFloat).contiguous();
+        quant_panel_gemm(w, xp, ldx, M, op, bf.data_ptr<float>());
+        return out;
+      }
+      quant_panel_gemm(w, xp, ldx, M, op, nullptr);
     } else {
       // tiles of about 4 MB of fp32 weight rows: dequantized once (in parallel), used by all M rows
       const int64_t tile = std::max<int64_t>(64, ((int64_t(1) << 20) / K + 63) / 64 * 64);

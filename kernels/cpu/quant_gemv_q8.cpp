@@ -14,7 +14,7 @@
 // So |result - x @ dequantize(W)^T| <= sum_b |s| (dx_b / 2) sum_{k in b} |q_k| + fp32 rounding:
 // the error of rounding x to int8, on the integer part only.
 //
-// Layouts inside a call (built by quantize_x):
+// Layouts inside a call (built by quantize_x, quant_xq.h):
 //   4-bit: a chunk of 64 weight bytes = 4 blocks of 32 weights; its low nibbles are weights 0..15
 //   of the 4 blocks, its high nibbles weights 16..31. xq per row is stored in that order (128 bytes
 //   per chunk: [A0-15 B0-15 C0-15 D0-15][A16-31 ... D16-31]), so lo/hi nibbles dot xq directly.
@@ -32,45 +32,11 @@
 #include <algorithm>
 #include <vector>
 
-#include "quant_storage.h"
+#include "quant_xq.h"
 
 namespace {
 
 using namespace zi_quant;
-
-#define ZI_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
-
-struct XQ {                  // x quantized for one call: per row `ldq` int8 values, `ldd` block scales
-  std::vector<int8_t> q;
-  std::vector<float> d;      // per 32-weight block (zero-padded to whole chunks)
-  int64_t ldq = 0, ldd = 0;
-};
-
-// x [M, K] -> int8 blocks of 32 in the order the weight's chunks read them (see the header).
-ZI_VNNI XQ quantize_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool nibble_order) {
-  XQ o;
-  const int64_t nb = K / 32, chunks = nibble_order ? (nb + 3) / 4 : (K + 63) / 64;
-  o.ldq = nibble_order ? chunks * 128 : chunks * 64;
-  o.ldd = nibble_order ? chunks * 4 : chunks * 2;
-  o.q.assign(M * o.ldq, 0);
-  o.d.assign(M * o.ldd, 0.f);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const float* xr = x + m * ldx + b * 32;
-      const __m512 v0 = _mm512_loadu_ps(xr), v1 = _mm512_loadu_ps(xr + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));   // F only, not DQ
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      const __m128i q0 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)));
-      const __m128i q1 = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)));
-      int8_t* row = o.q.data() + m * o.ldq;
-      int8_t* lo = nibble_order ? row + (b / 4) * 128 + (b % 4) * 16 : row + b * 32;
-      int8_t* hi = nibble_order ? lo + 64 : lo + 16;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(lo), q0);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), q1);
-      o.d[m * o.ldd + b] = amax / 127.f;
-    }
-  return o;
-}
 
 // The weight scale of each of the `blocks` 32-weight blocks from block b0 on, into s[0..blocks).
 inline void block_scales(const QW& w, int64_t row, int64_t b0, int blocks, float* s) {

@@ -1,0 +1,244 @@
+// Linears on quantized weights with int8 activations for any number of rows (models/quant.py,
+// `activations: int8`): prefill chunks and decode batches past the few rows where the decode
+// kernel (quant_gemv_q8.cpp) is faster. out[M, N] = x[M, K] @ W^T, W in the layout of quant_layout.h.
+//
+// Why a second kernel: the decode kernel reads a weight row and dots it with up to 4 rows of x, so
+// past a few rows it unpacks every weight once per 4 rows, and its integer lanes hold blocks of one
+// output, reduced at the end. Here the lanes hold 16 output columns instead (the GEMM order):
+// - x is quantized once per call (quant_xq.h, natural order; rows in parallel), with, per row, the
+//   exact fp32 group sums (the min / zero term) and, for 8-bit weights, -128 x the sum of each
+//   unit's xq (below);
+// - threads split the columns (N tiles of 16); for each block of MB rows, the weights of a tile
+//   are unpacked once into a small buffer (16 K bytes: L1 / L2) in the VNNI order: for every 4 k,
+//   the 16 columns' 4 weights side by side (one 64-byte vector), next to the tile's scales per
+//   unit and offsets per group;
+// - a register tile of up to RT rows x 16 columns: per 4 k, one vector load of weights and, per row,
+//   one vpdpbusd with that row's 4 xq broadcast (64 products); each unit of U k (32, or 16 where the
+//   group is not a multiple of 32, e.g. Q6_K) ends with cvt + one FMA by scale x dx, each group
+//   with one FMA of its offset (min - zero * scale) by the row's exact group sum.
+// vpdpbusd multiplies unsigned by signed bytes: the broadcast (memory) operand is the signed one, so
+// x stays signed and the weights are the unsigned operand: 4-bit q (0..15) as they are, 8-bit q
+// (int8 formats, 5 / 6 bits expanded to q - zero) plus 128 (the sign bit flipped), the 128 x sum(xq)
+// that adds removed by starting each unit's integer sum at -128 x sum(xq) (exact in int32).
+//
+// What it computes is the decode kernel's formula, so the same bound holds (tests/test_quant_q8.py):
+// sum_k x_k w_k = sum_u s_u dx_u sum_{k in u} q_k xq_k + sum_g (min_g - zero s_g) xsum_g, the integer
+// sums exact, each output one fp32 chain over units in k order; |result - x @ dequantize(W)^T| <=
+// sum_b |s| (dx_b / 2) sum_{k in b} |q_k| + fp32 rounding. Not bit-identical to the decode kernel
+// (other fp32 order). Needs AVX-512 F/BW/VL + VNNI, as the decode kernel.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "quant_panels.h"
+#include "quant_xq.h"
+
+namespace {
+
+using namespace zi_quant;
+
+constexpr int64_t NT = 16;    // columns per tile: one int32 lane each
+constexpr int RT = 8;         // rows per register tile: 8 int32 + 8 fp32 accumulators
+constexpr int64_t MB = 128;   // rows per block: the weights of a tile are unpacked once per block
+
+// Per call: x quantized, plus what the min / zero term and the 8-bit correction need.
+struct Prep {
+  XQ xq;                      // natural order, xq.ldq per row
+  std::vector<float> xsum;    // [M, ng] exact fp32 group sums (weights with an offset only)
+  std::vector<int32_t> corr;  // [M, K / U] -128 x sum of each unit's xq (8-bit weights only)
+  int64_t ng = 0, nu = 0;
+};
+
+ZI_VNNI void prep_rows(const float* x, int64_t K, int64_t G, int64_t U, bool sums, bool eight, int64_t m0,
+                       int64_t m1, Prep& p) {
+  quantize_rows(x, K, m0, m1, K, false, p.xq);
+  for (int64_t m = m0; m < m1; ++m) {
+    const float* xr = x + m * K;
+    for (int64_t g = 0; sums && g < p.ng; ++g) {     // 16 lanes summed in k order, then across lanes
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(xr + k));
+      p.xsum[m * p.ng + g] = _mm512_reduce_add_ps(a);
+    }
+    const int8_t* q = p.xq.q.data() + m * p.xq.ldq;
+    for (int64_t u = 0; eight && u < p.nu; ++u) {
+      __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + u * U)));
+      if (U == 32) s = _mm512_add_epi32(s, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + u * U + 16))));
+      p.corr[m * p.nu + u] = -128 * _mm512_reduce_add_epi32(s);
+    }
+  }
+}
+
+// Columns c0..c0 + nc of the tile `t` (bits 4 or 8, fp32 scales) in the VNNI order: wt[k / 4] is
+// 64 bytes (16 columns x 4 weights, unsigned), su[u] the 16 columns' scales of unit u, off[g] their
+// offsets; columns past nc get zero weights, scales and offsets.
+ZI_VNNI void pack_tile(const QW& t, int64_t c0, int64_t nc, int64_t U, const uint8_t* zeros, uint8_t* wt, float* su,
+                       float* off) {
+  const int64_t K = t.k, ng = K / t.group, nu = K / U;
+  const uint8_t* ptr[NT];
+  for (int64_t c = 0; c < NT; ++c) ptr[c] = c < nc ? t.qs + (c0 + c) * t.row_bytes() : zeros;
+  const __m512i low4 = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512i v[4];
+  // the next tile's rows (the 16 rows after these, contiguous) prefetched meanwhile, a share per block:
+  // this tile reads its rows 16 bytes at a time across 16 rows, which the hardware prefetchers follow poorly
+  const int64_t region = NT * t.row_bytes(), share = region / (K / 32);
+  const char* next = c0 + 2 * NT <= t.n ? reinterpret_cast<const char*>(t.qs + (c0 + NT) * t.row_bytes()) : nullptr;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    for (int64_t o = b * share; next && o < (b + 1) * share; o += 64) __builtin_prefetch(next + o, 0, 0);
+    __m512i* dst = reinterpret_cast<__m512i*>(wt + b * 8 * 64);
+    if (t.bits == 4) {          // byte j: weight j low nibble, weight j + 16 high nibble
+      transpose16(ptr, b * 16, v);
+      for (int d = 0; d < 4; ++d) {
+        _mm512_store_si512(dst + d, _mm512_and_si512(v[d], low4));
+        _mm512_store_si512(dst + 4 + d, _mm512_and_si512(_mm512_srli_epi16(v[d], 4), low4));
+      }
+    } else {
+      for (int h = 0; h < 2; ++h) {
+        transpose16(ptr, b * 32 + h * 16, v);
+        for (int d = 0; d < 4; ++d) _mm512_store_si512(dst + 4 * h + d, _mm512_xor_si512(v[d], sign));
+      }
+    }
+  }
+  std::fill(su, su + nu * NT, 0.f);
+  if (off) std::fill(off, off + ng * NT, 0.f);
+  const float z = static_cast<float>(t.zero);
+  for (int64_t c = 0; c < nc; ++c) {       // no divisions in these loops: they run once per tile and block
+    const float* sc = t.scale + (c0 + c) * ng;
+    const float* mn = t.minv ? t.minv + (c0 + c) * ng : nullptr;
+    for (int64_t g = 0, u = 0; g < ng; ++g) {
+      for (const int64_t u1 = u + t.group / U; u < u1; ++u) su[u * NT + c] = sc[g];
+      if (off) off[g * NT + c] = (mn ? mn[g] : 0.f) - z * sc[g];     // QW::offset
+    }
+  }
+}
+
+// out rows m..m + R, the tile's 16 columns (`cols` of them stored): see the header.
+template <int R, bool EIGHT, int U>
+ZI_VNNI void micro(const uint8_t* wt, const float* su, const float* off, int64_t K, int64_t G, const Prep& p,
+                   int64_t m, float* out, int64_t ldo, __mmask16 cols) {
+  constexpr int S = U / 4;     // 4-k steps per unit
+  const int64_t nu = K / U, upg = G / U, ng = K / G, ldq = p.xq.ldq, ldd = p.xq.ldd;
+  const int8_t* xq = p.xq.q.data() + m * ldq;
+  const float* dx = p.xq.d.data() + m * ldd;
+  const int32_t* corr = EIGHT ? p.corr.data() + m * nu : nullptr;
+  const float* xsum = off ? p.xsum.data() + m * ng : nullptr;
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int64_t u = g * upg; u < (g + 1) * upg; ++u) {
+      __m512i ia[R];
+      for (int i = 0; i < R; ++i) ia[i] = EIGHT ? _mm512_set1_epi32(corr[i * nu + u]) : _mm512_setzero_si512();
+      const uint8_t* wu = wt + u * S * 64;
+      for (int s = 0; s < S; ++s) {
+        const __m512i wv = _mm512_load_si512(wu + s * 64);
+        for (int i = 0; i < R; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xq + i * ldq + u * U + 4 * s, 4);
+          ia[i] = _mm512_dpbusd_epi32(ia[i], wv, _mm512_set1_epi32(x4));
+        }
+      }
+      const __m512 sv = _mm512_load_ps(su + u * NT);
+      const int64_t b = u * U / 32;
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), _mm512_mul_ps(sv, _mm512_set1_ps(dx[i * ldd + b])), acc[i]);
+    }
+    if (off) {                 // the group ends: its offsets times the rows' exact group sums
+      const __m512 ov = _mm512_load_ps(off + g * NT);
+      for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsum[i * ng + g]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (m + i) * ldo, cols, acc[i]);
+}
+
+template <bool EIGHT, int U>
+ZI_VNNI void rows_block(const uint8_t* wt, const float* su, const float* off, int64_t K, int64_t G, const Prep& p,
+                        int64_t m0, int64_t m1, float* out, int64_t ldo, __mmask16 cols) {
+  for (int64_t m = m0; m < m1; m += RT) {
+    switch (std::min<int64_t>(RT, m1 - m)) {
+      case 1: micro<1, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
+      case 2: micro<2, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
+      case 3: micro<3, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
+      case 4: micro<4, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
+      case 5: micro<5, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
+      case 6: micro<6, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
+      case 7: micro<7, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
+      default: micro<8, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
+    }
+  }
+}
+
+bool vnni_available() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
+                                const c10::optional<at::Tensor>& minv, int64_t bits, int64_t group, int64_t zero,
+                                const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& qh,
+                                const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d) {
+  TORCH_CHECK(vnni_available(), "quant_linear_q8_gemm: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "quant_linear_q8_gemm: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1), qh, scale_d, minv_d);
+  const int64_t M = x.size(0), N = w.n, K = w.k, G = w.group;
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0) {
+    const at::Tensor xc = x.contiguous();
+    const float* xp = xc.data_ptr<float>();
+    const int64_t U = G % 32 == 0 ? 32 : 16;          // G is a multiple of 16 (make_qw)
+    const bool eight = bits != 4, sums = w.has_min() || w.tile_zero();
+    Prep p;
+    p.ng = K / G;
+    p.nu = K / U;
+    p.xq = xq_alloc(M, K, false);
+    if (sums) p.xsum.assign(M * p.ng, 0.f);
+    if (eight) p.corr.assign(M * p.nu, 0);
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { prep_rows(xp, K, G, U, sums, eight, m0, m1, p); });
+    float* op = out.data_ptr<float>();
+    const int64_t tiles = (N + NT - 1) / NT;
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      // per thread: one tile's unpacked weights (64-byte aligned), scales and offsets
+      std::unique_ptr<uint8_t[]> wbuf(new uint8_t[NT * K + 64]);
+      uint8_t* wt = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wbuf.get()) + 63) & ~uintptr_t(63));
+      std::vector<float> sbuf(p.nu * NT + 16), obuf(sums ? p.ng * NT + 16 : 0);
+      float* su = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t(63));
+      float* off = sums ? reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(obuf.data()) + 63) & ~uintptr_t(63))
+                        : nullptr;
+      const std::vector<uint8_t> zeros(static_cast<size_t>(std::max<int64_t>(w.row_bytes(), 64)), 0);
+      for_row_tiles(w, 2, t0 * NT, std::min(N, t1 * NT), [&](const QW& t, int64_t r0, int64_t r1) {
+        for (int64_t m0 = 0; m0 < M; m0 += MB) {
+          const int64_t m1 = std::min(M, m0 + MB);
+          for (int64_t c0 = 0; c0 < r1 - r0; c0 += NT) {
+            const int64_t nc = std::min(NT, r1 - r0 - c0);
+            pack_tile(t, c0, nc, U, zeros.data(), wt, su, off);
+            const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
+            float* o = op + r0 + c0;
+            if (t.bits == 4) rows_block<false, 32>(wt, su, off, K, G, p, m0, m1, o, N, cols);
+            else if (U == 32) rows_block<true, 32>(wt, su, off, K, G, p, m0, m1, o, N, cols);
+            else rows_block<true, 16>(wt, su, off, K, G, p, m0, m1, o, N, cols);
+          }
+        }
+      });
+    });
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->numel() == N, "quant_linear_q8_gemm: bias must have ", N, " elements, got ", bias->numel());
+    out.add_(bias->to(at::kFloat).view({1, N}));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
+  m.def("quant_linear_q8_gemm(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, "
+        "Tensor? bias, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
+  m.impl("quant_linear_q8_gemm", c10::DispatchKey::CPU, TORCH_FN(quant_linear_q8_gemm));
+}

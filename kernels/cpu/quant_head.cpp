@@ -1,0 +1,223 @@
+// The quantized greedy head's kernels (kernels/quant_head.py): the screen's product of an 8-bit head
+// (`quant_head_logits_q8`, below), and its candidate rows (`quant_head_candidates`): given the int8-activation
+// logits a [M, N] and per row m a margin 2B_m (B_m bounds |a - exact| for every column), the
+// columns n with a[m, n] >= max_n a[m, n] - 2B_m for some m, ascending. Only these can hold a
+// row's exact maximum, so the exact product is computed on them alone.
+//
+// Why a kernel: the same in torch (amax, compare, any, nonzero) is four passes over the logits
+// with an allocation each, ~0.2 ms a step for Gemma-3's 262144-token vocabulary; here it is one
+// vectorised max pass and one compare pass per row, the few hits marked in a byte map.
+//
+// The threshold is computed in double and rounded down to float, so no column the bound keeps
+// is dropped by rounding. A row whose maximum or threshold is not finite (NaN or inf logits: no
+// bound) makes every column a candidate, i.e. the caller computes the exact product in full.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#define ZI_HEAD_AVX512 __attribute__((target("avx512f")))
+
+ZI_HEAD_AVX512 float row_max(const float* a, int64_t n) {
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  bool nan = false;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(a + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q) != 0;
+    m = _mm512_max_ps(m, v);
+  }
+  float best = _mm512_reduce_max_ps(m);
+  for (; i < n; ++i) {
+    nan |= std::isnan(a[i]);
+    best = a[i] > best ? a[i] : best;
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : best;
+}
+
+// marks[n] = 1 where a[n] >= thr
+ZI_HEAD_AVX512 void mark_at_least(const float* a, int64_t n, float thr, uint8_t* marks) {
+  const __m512 t = _mm512_set1_ps(thr);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    uint32_t hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(a + i), t, _CMP_GE_OQ);
+    while (hit) {
+      marks[i + __builtin_ctz(hit)] = 1;
+      hit &= hit - 1;
+    }
+  }
+  for (; i < n; ++i)
+    if (a[i] >= thr) marks[i] = 1;
+}
+
+at::Tensor quant_head_candidates(const at::Tensor& logits, const at::Tensor& margin) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
+              "quant_head_candidates: logits must be a 2-D float32 CPU tensor, got ", logits.sizes(), " ",
+              logits.scalar_type());
+  TORCH_CHECK(margin.dim() == 1 && margin.size(0) == logits.size(0) && margin.scalar_type() == at::kDouble,
+              "quant_head_candidates: margin must be float64 [", logits.size(0), "], got ", margin.sizes(), " ",
+              margin.scalar_type());
+  __builtin_cpu_init();
+  TORCH_CHECK(__builtin_cpu_supports("avx512f"), "quant_head_candidates: this CPU lacks AVX-512");
+  const at::Tensor a = logits.contiguous();
+  const at::Tensor mg = margin.contiguous();
+  const int64_t M = a.size(0), N = a.size(1);
+  const float* ap = a.data_ptr<float>();
+  const double* mp = mg.data_ptr<double>();
+  std::vector<uint8_t> marks(N, 0);
+  bool all = false;
+  for (int64_t m = 0; m < M && !all; ++m) {
+    const float top = row_max(ap + m * N, N);
+    const double limit = static_cast<double>(top) - mp[m];
+    if (!std::isfinite(top) || !std::isfinite(limit)) {
+      all = true;
+      break;
+    }
+    float thr = static_cast<float>(limit);
+    if (static_cast<double>(thr) > limit) thr = std::nextafter(thr, -std::numeric_limits<float>::infinity());
+    mark_at_least(ap + m * N, N, thr, marks.data());
+  }
+  if (all) return at::arange(N, logits.options().dtype(at::kLong));
+  int64_t count = 0;
+  for (int64_t n = 0; n < N; ++n) count += marks[n];
+  at::Tensor cols = at::empty({count}, logits.options().dtype(at::kLong));
+  int64_t* cp = cols.data_ptr<int64_t>();
+  for (int64_t n = 0, j = 0; n < N; ++n)
+    if (marks[n]) cp[j++] = n;
+  return cols;
+}
+
+// ----------------------------------------------------------------------------- the screen's product
+// Approximate logits of an 8-bit head (Q8_0, our int8: qs int8 [N, K], scale fp16 or fp32 [N, K / G],
+// no min, zero 0) with x already rounded to int8 per 32-block (xq [M, K] in natural order and its
+// block scales xd [M, K / 32], as `quantize_activations_q8` gives them): the formula of
+// quant_gemv_q8.cpp's 8-bit path, sum_b s_b dx_b sum_{k in b} q_k xq_k, so its error bound holds.
+//
+// Why not that kernel: the head is the one weight where its per-row overheads show (262144 rows of
+// 640 for Gemma-3): it widens each 64-row tile's fp16 scales into a buffer, builds each chunk's
+// scale vector from two masked loads and two permutes, and prefetches every line of the next row.
+// Here each row's block scales times x's are computed once per row (16 blocks per vector op,
+// `block_scales`), a chunk of 64 weights costs one 8-byte load and one permute for its two blocks'
+// scales, and the hardware prefetcher streams the rows (read in address order).
+#define ZI_HEAD_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+constexpr int HEAD_MR = 4;   // rows of x per register tile
+
+// sdx[b] = scale of block b of weight row n times xd[b], b < nb, zero-padded to `ld` (>= nb + 2)
+ZI_HEAD_VNNI inline void block_scales(const void* scale, bool half, int64_t group, int64_t ng, int64_t n, const float* xd,
+                                      int64_t nb, float* sdx, int64_t ld) {
+  if (group == 32) {
+    int64_t b = 0;
+    for (; b < nb; b += 16) {
+      const int64_t len = std::min<int64_t>(16, nb - b);
+      const __mmask16 k = static_cast<__mmask16>((1u << len) - 1);
+      const __m512 s = half ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(k, static_cast<const at::Half*>(scale) + n * ng + b))
+                            : _mm512_maskz_loadu_ps(k, static_cast<const float*>(scale) + n * ng + b);
+      _mm512_storeu_ps(sdx + b, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(k, xd + b)));
+    }
+    for (b = nb; b < ld; ++b) sdx[b] = 0.f;
+    return;
+  }
+  for (int64_t b = 0; b < ld; ++b) {
+    if (b >= nb) {
+      sdx[b] = 0.f;
+      continue;
+    }
+    const int64_t g = b * 32 / group;
+    const float s = half ? static_cast<float>(static_cast<const at::Half*>(scale)[n * ng + g])
+                         : static_cast<const float*>(scale)[n * ng + g];
+    sdx[b] = s * xd[b];
+  }
+}
+
+// logits of weight row w (K int8) against R rows of xq (stride K), their block scales in sdx (stride ld)
+template <int R>
+ZI_HEAD_VNNI inline void row_tile(const int8_t* w, int64_t K, const int8_t* xq, const float* sdx, int64_t ld, float* res,
+                                  int64_t ldr) {
+  const int64_t chunks = (K + 63) / 64;
+  const __m512i by8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[R][2];
+  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t len = std::min<int64_t>(64, K - c * 64);   // 64, or a 32-weight tail
+    const __mmask64 kb = len == 64 ? ~__mmask64(0) : (__mmask64(1) << len) - 1;
+    const __m512i v = _mm512_maskz_loadu_epi8(kb, w + c * 64);
+    const __m512i aw = _mm512_abs_epi8(v);
+    const __mmask64 neg = _mm512_movepi8_mask(v);
+    for (int i = 0; i < R; ++i) {
+      const __m512i xv = _mm512_maskz_loadu_epi8(kb, xq + i * K + c * 64);
+      const __m512i dp = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
+      const __m512 s = _mm512_permutexvar_ps(
+          by8, _mm512_castpd_ps(_mm512_castpd128_pd512(_mm_load_sd(reinterpret_cast<const double*>(sdx + i * ld + 2 * c)))));
+      acc[i][c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), s, acc[i][c & 1]);
+    }
+  }
+  for (int i = 0; i < R; ++i) res[i * ldr] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+}
+
+at::Tensor quant_head_logits_q8(const at::Tensor& xq, const at::Tensor& xd, const at::Tensor& qs, const at::Tensor& scale,
+                                int64_t group) {
+  __builtin_cpu_init();
+  TORCH_CHECK(__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl"),
+              "quant_head_logits_q8: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(xq.dim() == 2 && xq.scalar_type() == at::kChar && xq.is_contiguous(),
+              "quant_head_logits_q8: xq must be contiguous int8 [M, K], got ", xq.sizes(), " ", xq.scalar_type());
+  const int64_t M = xq.size(0), K = xq.size(1), nb = K / 32;
+  TORCH_CHECK(K % 32 == 0 && group > 0 && group % 32 == 0 && K % group == 0,
+              "quant_head_logits_q8: K=", K, " and group ", group, " must be multiples of 32, group dividing K");
+  TORCH_CHECK(xd.scalar_type() == at::kFloat && xd.is_contiguous() && xd.dim() == 2 && xd.size(0) == M && xd.size(1) == nb,
+              "quant_head_logits_q8: xd must be contiguous float32 [", M, ", ", nb, "], got ", xd.sizes());
+  TORCH_CHECK(qs.scalar_type() == at::kChar && qs.is_contiguous() && qs.dim() == 2 && qs.size(1) == K,
+              "quant_head_logits_q8: qs must be contiguous int8 [N, ", K, "], got ", qs.sizes(), " ", qs.scalar_type());
+  const int64_t N = qs.size(0), ng = K / group;
+  TORCH_CHECK((scale.scalar_type() == at::kHalf || scale.scalar_type() == at::kFloat) && scale.is_contiguous() &&
+                  scale.dim() == 2 && scale.size(0) == N && scale.size(1) == ng,
+              "quant_head_logits_q8: scale must be contiguous float16 or float32 [", N, ", ", ng, "], got ", scale.sizes(),
+              " ", scale.scalar_type());
+  at::Tensor out = at::empty({M, N}, xd.options());
+  if (M == 0 || N == 0) return out;
+  const bool half = scale.scalar_type() == at::kHalf;
+  const void* sp = scale.data_ptr();
+  const int8_t* wp = qs.data_ptr<int8_t>();
+  const int8_t* xp = xq.data_ptr<int8_t>();
+  const float* dp = xd.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t ld = (nb + 2 + 15) / 16 * 16;
+  at::parallel_for(0, N, 256, [&](int64_t n0, int64_t n1) {
+    std::vector<float> sdx(M * ld + 16);
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t m = 0; m < M; ++m) block_scales(sp, half, group, ng, n, dp + m * nb, nb, sdx.data() + m * ld, ld);
+      for (int64_t m0 = 0; m0 < M; m0 += HEAD_MR) {
+        const int8_t* x = xp + m0 * K;
+        const float* s = sdx.data() + m0 * ld;
+        float* r = op + m0 * N + n;
+        switch (std::min<int64_t>(HEAD_MR, M - m0)) {
+          case 1: row_tile<1>(wp + n * K, K, x, s, ld, r, N); break;
+          case 2: row_tile<2>(wp + n * K, K, x, s, ld, r, N); break;
+          case 3: row_tile<3>(wp + n * K, K, x, s, ld, r, N); break;
+          default: row_tile<4>(wp + n * K, K, x, s, ld, r, N); break;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
+  m.def("quant_head_candidates(Tensor logits, Tensor margin) -> Tensor");
+  m.impl("quant_head_candidates", c10::DispatchKey::CPU, TORCH_FN(quant_head_candidates));
+  m.def("quant_head_logits_q8(Tensor xq, Tensor xd, Tensor qs, Tensor scale, int group) -> Tensor");
+  m.impl("quant_head_logits_q8", c10::DispatchKey::CPU, TORCH_FN(quant_head_logits_q8));
+}
