@@ -71,24 +71,8 @@ at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, i
         const int64_t kc = std::min(KC, K - k0);
         const bool last = k0 + kc == K && b;   // the bias joins after the whole sum, as in panel_linear
         pack_rows(xp, ldx, M, c0 * MR, ct, k0, kc, ap);
-        for (int64_t p = 0; p < np_; ++p) {
-          const float* panel = pp + (p * K + k0) * NR;
-          const int64_t col = p * NR, w = std::min(NR, n - col);
-          for (int64_t t = 0; t < ct; ++t) {
-            const int64_t m = (c0 + t) * MR;
-            const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-            const float* a = ap + t * kc * MR;
-            float* c = w == NR ? op + m * n + col : tail;   // the last panel's columns past N: the stack tile
-            const int64_t ldc = w == NR ? n : NR;
-            if (w != NR && k0 != 0)
-              for (int i = 0; i < rows; ++i) std::memcpy(tail + i * NR, op + (m + i) * n + col, sizeof(float) * w);
-            if (k0 == 0) micro<false>(a, panel, kc, c, ldc, last ? add + col : nullptr, rows);
-            else micro<true>(a, panel, kc, c, ldc, last ? add + col : nullptr, rows);
-            if (w != NR) {
-              for (int i = 0; i < rows; ++i) std::memcpy(op + (m + i) * n + col, tail + i * NR, sizeof(float) * w);
-            }
-          }
-        }
+        for (int64_t p = 0; p < np_; ++p)
+          panel_block(ap, ct, c0 * MR, M, kc, pp + (p * K + k0) * NR, op, n, p * NR, k0 == 0, last ? add : nullptr, tail);
       }
     }
   });

@@ -5,6 +5,9 @@
 
 #include "panels.h"
 
+#include <algorithm>
+#include <cstring>
+
 namespace zooinfer_panels {
 namespace blocked {
 
@@ -69,6 +72,27 @@ inline void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_
         for (int64_t k = 0; k < kc; ++k) d[k * MR + i] = 0.f;
       }
     }
+  }
+}
+
+// One KC block of one panel for `ct` packed row tiles (ap, from row m0 on): out[m, col : col + w]
+// = (first ? 0 : out) + tiles @ panel (+ add + col after the last block, when `add` is not null),
+// for the w = min(NR, n - col) real columns; a panel past N goes through the stack tile `tail`.
+inline void panel_block(const float* ap, int64_t ct, int64_t m0, int64_t M, int64_t kc, const float* panel,
+                        float* out, int64_t n, int64_t col, bool first, const float* add, float* tail) {
+  const int64_t w = std::min(NR, n - col);
+  for (int64_t t = 0; t < ct; ++t) {
+    const int64_t m = m0 + t * MR;
+    const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+    const float* a = ap + t * kc * MR;
+    float* c = w == NR ? out + m * n + col : tail;
+    const int64_t ldc = w == NR ? n : NR;
+    if (w != NR && !first)
+      for (int i = 0; i < rows; ++i) std::memcpy(tail + i * NR, out + (m + i) * n + col, sizeof(float) * w);
+    if (first) micro<false>(a, panel, kc, c, ldc, add ? add + col : nullptr, rows);
+    else micro<true>(a, panel, kc, c, ldc, add ? add + col : nullptr, rows);
+    if (w != NR)
+      for (int i = 0; i < rows; ++i) std::memcpy(out + (m + i) * n + col, tail + i * NR, sizeof(float) * w);
   }
 }
 

@@ -139,20 +139,8 @@ void quant_panel_gemm(const QW& w, const float* x, int64_t ldx, int64_t M, float
         zooinfer_panels::blocked::pack_rows(x, ldx, M, c0 * BMR, ct, k0, kc, ap);
         for (int64_t p = p0; p < p1; ++p) {
           dequant_panel(c, p - p0, k0, kc, zeros.data(), pb);
-          const int64_t col = p * NR, wd = std::min(NR, N - col);
-          for (int64_t t = 0; t < ct; ++t) {
-            const int64_t m = (c0 + t) * BMR;
-            const int rows = static_cast<int>(std::min<int64_t>(BMR, M - m));
-            const float* a = ap + t * kc * BMR;
-            float* o = wd == NR ? out + m * N + col : tail;   // the last panel's columns past N: the stack tile
-            const int64_t ldc = wd == NR ? N : NR;
-            if (wd != NR && k0 != 0)
-              for (int i = 0; i < rows; ++i) std::memcpy(tail + i * NR, out + (m + i) * N + col, sizeof(float) * wd);
-            if (k0 == 0) zooinfer_panels::blocked::micro<false>(a, pb, kc, o, ldc, last ? add + col : nullptr, rows);
-            else zooinfer_panels::blocked::micro<true>(a, pb, kc, o, ldc, last ? add + col : nullptr, rows);
-            if (wd != NR)
-              for (int i = 0; i < rows; ++i) std::memcpy(out + (m + i) * N + col, tail + i * NR, sizeof(float) * wd);
-          }
+          zooinfer_panels::blocked::panel_block(ap, ct, c0 * BMR, M, kc, pb, out, N, p * NR, k0 == 0,
+                                                last ? add : nullptr, tail);
         }
       }
     }
