@@ -20,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one thread, res
 @needs_kernels
 @pytest.mark.parametrize("k", [1, 7, 256, 257, 600])
 def test_blocked_equals_linear(k):
-    """Row counts around the 14-row tile and the 16-tile chunk, K around the 256-step block,
+    """Row counts around the register tile (14 rows with AVX-512, 6 otherwise) and the packed
+    chunk (16 x 14 = 224 / 32 x 6 = 192 rows), K around the 256-step block,
     N around the 32-wide panel; strided and contiguous rows; with and without bias. Equal to
     F.linear to fp32 rounding and to the decode panel kernel exactly (so where a product
     switches kernels at PANEL_MAX_ROWS rows, no row's result changes)."""
@@ -29,7 +30,7 @@ def test_blocked_equals_linear(k):
         w = torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen)
         panels = gemm.pack_panels(w)
-        for m in (0, 1, 13, 14, 15, 65, 224, 225, 470):
+        for m in (0, 1, 6, 7, 13, 14, 15, 65, 192, 193, 224, 225, 470):
             wide = torch.randn(m, k + 5, generator=gen)
             for x in (wide[:, 3:3 + k], wide[:, :k].contiguous()):
                 for bias in (None, b):

@@ -112,8 +112,12 @@ void run(const float* panels, int64_t N, int64_t K, const float* xt, int64_t pb,
 }
 
 // Rows per tile for MV token vectors (R divides the panel width; R * MV accumulators).
-// 4 rows at 64 tokens: 8 rows would need all 32 zmm registers for the sums alone.
-constexpr int rows_per_tile(int mv) { return mv == 1 ? 16 : mv == 4 ? 4 : 8; }
+// 4 rows at 64 tokens: 8 rows would need all 32 zmm registers for the sums alone. Without
+// AVX-512 a 16-token vector is two of the 16 ymm registers, so R * MV stays at 4 (8 ymm of sums,
+// 2 * MV of x): the AVX-512 tiles there spilled their sums to the stack on every k step.
+constexpr int rows_per_tile(int mv) {
+  return VW == 16 ? (mv == 1 ? 16 : mv == 4 ? 4 : 8) : (mv == 1 ? 4 : mv == 2 ? 2 : 1);
+}
 
 template <int MV>
 void block(const float* panels, int64_t N, int64_t K, const float* xt, int64_t rows, int64_t* out) {

@@ -10,8 +10,9 @@
 // Layout: W [N, K] is packed once (in Python) into column panels P [ceil(N/32), K, 32]: panel p
 // holds W[32p : 32p+32, :] transposed, zero-padded past N, so the 32 outputs of one k step are
 // two contiguous 16-float vectors. For each panel: for each block of KB=64 k steps (8 KB of
-// panel), for each tile of up to MR=12 rows of x: 2*MR accumulators (24 zmm registers on
-// AVX-512), per k two panel loads, MR broadcasts of x[m, k], 2*MR FMAs. The k blocking makes
+// panel), for each register tile of up to MR rows of x and 2 vectors of columns (panels.h: the
+// whole panel on AVX-512, MR = 12, 24 zmm accumulators; each half of it on AVX2, MR = 6, 12 ymm):
+// per k two panel loads, MR broadcasts of x[m, k], 2*MR FMAs. The k blocking makes
 // every row tile reuse the block from L1; while the T row tiles work on one block, each
 // prefetches its 1/T share of the next block (the stream continues across panel ends: a
 // thread's panels are contiguous), so DRAM reads are spread evenly over the compute instead of
@@ -28,8 +29,8 @@
 // From ~96 rows on the product is compute-bound and MKL's kernels win (in cache they also win
 // by 10-25% at 64 rows); models/prepack.py sends such products to F.linear.
 //
-// Vectors are GCC/Clang vector extensions of 16 floats: one zmm with -march=native on AVX-512,
-// lowered to narrower registers in the plain -O3 fallback build (correct, slower).
+// Vectors are GCC/Clang vector extensions of the build's native width (panels.h `vreg`: 16 floats
+// with -march=native on AVX-512, 8 otherwise; the plain -O3 fallback build lowers 8 to SSE pairs).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -44,17 +45,18 @@ namespace {
 
 using namespace zooinfer_panels;
 
-constexpr int MR = 12;         // rows of x per register tile: 24 accumulators
+constexpr int MR = VW == 16 ? 12 : 6;   // rows of x per register tile: 2 * MR accumulators
 constexpr int64_t KB = 64;     // k steps per block: 8 KB of panel, reused from L1 by every row tile
 
-// acc[R rows, 32] += x[R rows, k0:k1] @ panel[k0:k1, :]; acc rows are NR floats apart.
+// acc[R rows, TC] += x[R rows, k0:k1] @ panel[k0:k1, TC columns]; panel and acc rows are NR floats
+// apart (both already offset to the tile's first column).
 template <int R, bool PREFETCH>
 inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict panel, int64_t k0,
                  int64_t k1, float* __restrict acc, const float* pf, int64_t pf_step) {
-  vf16 c0[R], c1[R];
+  vreg c0[R], c1[R];
   for (int i = 0; i < R; ++i) {
-    c0[i] = load(acc + i * NR);
-    c1[i] = load(acc + i * NR + 16);
+    c0[i] = vload(acc + i * NR);
+    c1[i] = vload(acc + i * NR + VW);
   }
   for (int64_t k = k0; k < k1; ++k) {
     const float* pk = panel + k * NR;
@@ -63,16 +65,16 @@ inline void tile(const float* __restrict x, int64_t ldx, const float* __restrict
       __builtin_prefetch(q, 0, 3);
       __builtin_prefetch(q + 16, 0, 3);
     }
-    const vf16 b0 = load(pk), b1 = load(pk + 16);
+    const vreg b0 = vload(pk), b1 = vload(pk + VW);
     for (int i = 0; i < R; ++i) {
-      const vf16 a = splat(x[i * ldx + k]);
+      const vreg a = vsplat(x[i * ldx + k]);
       c0[i] += a * b0;
       c1[i] += a * b1;
     }
   }
   for (int i = 0; i < R; ++i) {
-    store(acc + i * NR, c0[i]);
-    store(acc + i * NR + 16, c1[i]);
+    vstore(acc + i * NR, c0[i]);
+    vstore(acc + i * NR + VW, c1[i]);
   }
 }
 
@@ -81,7 +83,7 @@ inline void tile_rows(int rows, const float* x, int64_t ldx, const float* panel,
                       float* acc, const float* pf, int64_t pf_step) {
   switch (rows) {
 #define ZI_CASE(r) \
-  case r: tile<r, PREFETCH>(x, ldx, panel, k0, k1, acc, pf, pf_step); break;
+  case r: if constexpr (r <= MR) tile<r, PREFETCH>(x, ldx, panel, k0, k1, acc, pf, pf_step); break;
     ZI_CASE(1) ZI_CASE(2) ZI_CASE(3) ZI_CASE(4) ZI_CASE(5) ZI_CASE(6)
     ZI_CASE(7) ZI_CASE(8) ZI_CASE(9) ZI_CASE(10) ZI_CASE(11) ZI_CASE(12)
 #undef ZI_CASE
@@ -117,18 +119,20 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
       std::memset(acc, 0, sizeof(float) * M * NR);
       // tile t of T prefetches floats [k1 * NR + t * (k1 - k0) * NR / T, ...) of the stream, one
       // ceil(NR / T)-float step per k: together the tiles cover the next block once
-      const int64_t T = (M + MR - 1) / MR;
+      const int64_t T = COL_TILES * ((M + MR - 1) / MR);
       const int64_t step = (NR + T - 1) / T;
       for (int64_t k0 = 0; k0 < K; k0 += KB) {
         const int64_t k1 = std::min(K, k0 + KB);
-        for (int64_t m = 0, t = 0; m < M; m += MR, ++t) {
-          const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
-          const float* pf = panel + k1 * NR + (t * (k1 - k0) * NR) / T;
-          if (p + 1 < np_ || k1 < K)   // nothing to prefetch past the last block of W
-            tile_rows<true>(rows, xp + m * ldx, ldx, panel, k0, k1, acc + m * NR, pf, step);
-          else
-            tile_rows<false>(rows, xp + m * ldx, ldx, panel, k0, k1, acc + m * NR, pf, step);
-        }
+        int64_t t = 0;
+        for (int64_t j = 0; j < NR; j += TC)
+          for (int64_t m = 0; m < M; m += MR, ++t) {
+            const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+            const float* pf = panel + k1 * NR + (t * (k1 - k0) * NR) / T;
+            if (p + 1 < np_ || k1 < K)   // nothing to prefetch past the last block of W
+              tile_rows<true>(rows, xp + m * ldx, ldx, panel + j, k0, k1, acc + m * NR + j, pf, step);
+            else
+              tile_rows<false>(rows, xp + m * ldx, ldx, panel + j, k0, k1, acc + m * NR + j, pf, step);
+          }
       }
       const int64_t c0 = p * NR, w = std::min(NR, n - c0);
       for (int64_t m = 0; m < M; ++m) {

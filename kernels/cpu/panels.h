@@ -23,6 +23,29 @@ inline void store(float* p, vf16 v) { __builtin_memcpy(p, &v, sizeof v); }
 inline vf16 splat(float s) { return vf16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 inline vi16 splati(int32_t s) { return vi16{s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s}; }
 
+// The register tiles of the GEMMs (panel_gemm.cpp, panels_blocked.h) in the build's native vector
+// width. A tile holds R rows x 2 vectors of accumulators: with AVX-512's 32 zmm registers 2 vectors
+// are a whole 32-column panel (VW = 16); with AVX2's 16 ymm registers a tile covers half a panel
+// (VW = 8) and the kernels run both halves. A vf16 tile on AVX2 would be lowered to twice the ymm
+// registers and spill: 48 accumulators for 16 registers. Each output is still one FMA chain over
+// k in increasing order, so the width changes no result.
+#if defined(__AVX512F__)
+constexpr int64_t VW = 16;
+#else
+constexpr int64_t VW = 8;
+#endif
+constexpr int64_t TC = 2 * VW;           // columns of one register tile
+constexpr int64_t COL_TILES = NR / TC;   // register tiles across a panel: 1 (AVX-512) or 2
+typedef float vreg __attribute__((vector_size(VW * 4)));
+
+inline vreg vload(const float* p) {
+  vreg v;
+  __builtin_memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vreg v) { __builtin_memcpy(p, &v, sizeof v); }
+inline vreg vsplat(float s) { return s - vreg{}; }   // s - (+0) is s for every s, -0 included
+
 // x [M, K] float32 on CPU, panels of the same K; `n` the weight's true row count. Errors name the op.
 inline void check_inputs(const char* op, const at::Tensor& x, const at::Tensor& panels, int64_t n) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), op,

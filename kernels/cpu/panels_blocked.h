@@ -11,40 +11,42 @@
 namespace zooinfer_panels {
 namespace blocked {
 
-constexpr int MR = 14;          // rows per register tile: 28 accumulators + 2 panel vectors + 1 broadcast
+// Rows per register tile: 2 * MR accumulators + 2 panel vectors + 1 broadcast (panels.h: AVX-512's 32
+// zmm hold 14 rows of a whole panel; AVX2's 16 ymm hold 6 rows of half a panel, run once per half).
+constexpr int MR = VW == 16 ? 14 : 6;
 constexpr int64_t KC = 256;     // k steps per block: 32 KB of panel, reused by every row tile
-constexpr int64_t RB = 16;      // row tiles per packed chunk: 16 * 12 rows * 256 k * 4 B = 192 KB (L2)
+constexpr int64_t RB = VW == 16 ? 16 : 32;   // row tiles per packed chunk: 224 / 192 rows * 256 k * 4 B (L2)
 
-// c[MR, 32] (row stride ldc) = (ACCUM ? c : 0) + a_tile[kc, MR] @ panel[kc, 32] (+ add, 32 floats,
-// when not null: the bias, after the last k block); `rows` of the tile's MR are stored (the rest
-// are the zero rows past M).
+// c[MR, TC] (row stride ldc) = (ACCUM ? c : 0) + a_tile[kc, MR] @ b[kc, TC] (b's rows NR floats apart;
+// + add, TC floats, when not null: the bias, after the last k block); `rows` of the tile's MR are
+// stored (the rest are the zero rows past M). b, c and add are offset to the tile's first column.
 template <bool ACCUM>
 inline void micro(const float* __restrict a, const float* __restrict b, int64_t kc, float* __restrict c,
                   int64_t ldc, const float* __restrict add, int rows) {
-  vf16 c0[MR], c1[MR];
+  vreg c0[MR], c1[MR];
   if (ACCUM) {
     for (int i = 0; i < MR; ++i) {
       if (i < rows) {
-        c0[i] = load(c + i * ldc);
-        c1[i] = load(c + i * ldc + 16);
+        c0[i] = vload(c + i * ldc);
+        c1[i] = vload(c + i * ldc + VW);
       } else {
-        c0[i] = c1[i] = splat(0.f);
+        c0[i] = c1[i] = vreg{};
       }
     }
   } else {
-    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = splat(0.f);
+    for (int i = 0; i < MR; ++i) c0[i] = c1[i] = vreg{};
   }
   for (int64_t k = 0; k < kc; ++k) {
-    const vf16 b0 = load(b + k * NR), b1 = load(b + k * NR + 16);
+    const vreg b0 = vload(b + k * NR), b1 = vload(b + k * NR + VW);
     const float* ak = a + k * MR;
     for (int i = 0; i < MR; ++i) {
-      const vf16 s = splat(ak[i]);
+      const vreg s = vsplat(ak[i]);
       c0[i] += s * b0;
       c1[i] += s * b1;
     }
   }
   if (add) {
-    const vf16 a0 = load(add), a1 = load(add + 16);
+    const vreg a0 = vload(add), a1 = vload(add + VW);
     for (int i = 0; i < MR; ++i) {
       c0[i] += a0;
       c1[i] += a1;
@@ -52,13 +54,13 @@ inline void micro(const float* __restrict a, const float* __restrict b, int64_t 
   }
   for (int i = 0; i < MR; ++i) {
     if (i < rows) {
-      store(c + i * ldc, c0[i]);
-      store(c + i * ldc + 16, c1[i]);
+      vstore(c + i * ldc, c0[i]);
+      vstore(c + i * ldc + VW, c1[i]);
     }
   }
 }
 
-// Pack rows [m0, m0 + 12 * tiles) of x, k steps [k0, k0 + kc), as `tiles` row tiles [kc, MR].
+// Pack rows [m0, m0 + MR * tiles) of x, k steps [k0, k0 + kc), as `tiles` row tiles [kc, MR].
 inline void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_t tiles, int64_t k0, int64_t kc,
                float* dst) {
   for (int64_t t = 0; t < tiles; ++t) {
@@ -89,8 +91,10 @@ inline void panel_block(const float* ap, int64_t ct, int64_t m0, int64_t M, int6
     const int64_t ldc = w == NR ? n : NR;
     if (w != NR && !first)
       for (int i = 0; i < rows; ++i) std::memcpy(tail + i * NR, out + (m + i) * n + col, sizeof(float) * w);
-    if (first) micro<false>(a, panel, kc, c, ldc, add ? add + col : nullptr, rows);
-    else micro<true>(a, panel, kc, c, ldc, add ? add + col : nullptr, rows);
+    for (int64_t j = 0; j < NR; j += TC) {
+      if (first) micro<false>(a, panel + j, kc, c + j, ldc, add ? add + col + j : nullptr, rows);
+      else micro<true>(a, panel + j, kc, c + j, ldc, add ? add + col + j : nullptr, rows);
+    }
     if (w != NR)
       for (int i = 0; i < rows; ++i) std::memcpy(out + (m + i) * n + col, tail + i * NR, sizeof(float) * w);
   }

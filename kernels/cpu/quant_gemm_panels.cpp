@@ -7,7 +7,7 @@
 // the FMA peak on Zen 4): a panel of 32 columns x KC = 256 k steps (32 KB, in L1 / L2) at a time,
 // consumed at once by its register kernel (`blocked::micro`) for every row tile of a chunk of
 // rows packed as that GEMM packs them. Threads split the columns (whole panels), so each weight
-// is dequantized by one thread only, once per chunk of RB * MR = 224 rows.
+// is dequantized by one thread only, once per chunk of RB * MR rows (224 with AVX-512).
 //
 // Dequantizing a panel: for 16 columns at a time, `transpose16` brings a 32-weight block's bytes
 // of the 16 rows side by side (lane c = column c); each k is then a shift and mask of those lanes,
