@@ -8,6 +8,8 @@ of `lm_head.screened_argmax`) read the same panels.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 NR = 32                     # panel width (panels.h: two 16-float vectors)
@@ -37,3 +39,10 @@ def panel_linear_blocked(x: torch.Tensor, panels: torch.Tensor, n: int, bias: to
     sums kept in registers over 256-step k blocks, the rows split between threads. Same panels, same result to fp32 rounding; `kernels.gemm_choice`
     decides from how many rows it runs, by measuring it against MKL at start-up."""
     return torch.ops.zooinfer_cpu.panel_linear_blocked.default(x, panels, n, bias)
+
+
+@functools.cache
+def vector_width() -> int:
+    """Floats per register in the panel kernels' tiles as built here: 16 with AVX-512 (a tile spans
+    a whole panel), 8 otherwise (half a panel; panels.h). Needs the kernel library."""
+    return int(torch.ops.zooinfer_cpu.panel_vector_width())

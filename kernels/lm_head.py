@@ -28,13 +28,18 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_build, elementwise, quant_head
+from kernels import cpu_build, elementwise, gemm, quant_head
 
 # Row counts for which `linear_argmax` replaces the LM head product + argmax: from 24 rows up
 # it is faster (it passes over the weight once per 64 rows but never writes or re-reads the
 # logits); fewer rows leave most of its 16-token vector lanes empty, and the product is a
 # weight stream where the panel GEMM is as fast.
 GREEDY_ROWS = range(24, sys.maxsize)
+# ... per vector width of the kernel build (`gemm.vector_width`): with AVX2's 16 registers the token-lane
+# tiles hold 16 tokens, and the panel product + argmax measured faster at every row count from 24
+# (`python -m bench.greedy_head` on Zen 3: 32 rows 42-48 ms against 54-100, 64 rows 83-107 against
+# 95-159), so there the fused fp32 kernel serves only the screen's decisions.
+GREEDY_ROWS_BY_WIDTH = {16: GREEDY_ROWS, 8: range(0)}
 # Row counts for which a head with a bf16 screen takes `screened_argmax` instead, per screen
 # instruction set (`python -m bench.greedy_head`): AMX reads half the bytes and multiplies
 # several times faster, so it wins at every row count measured; so does VDPBF16PS (half the
@@ -189,7 +194,8 @@ class GreedyHead:
     products do not have) and the fused kernels apply to the hidden states (eager, fp32 CPU,
     no grad, library built: `elementwise.use_kernel`), `tokens` skips the logits:
     `screened_argmax` when the head also carries a bf16 `screen` and the row count is in
-    `SCREENED_ROWS` and in `SCREENED_ROWS_BY_ISA[screen.isa]`, else `linear_argmax` in `GREEDY_ROWS`. Otherwise the logits are computed
+    `SCREENED_ROWS` and in `SCREENED_ROWS_BY_ISA[screen.isa]`, else `linear_argmax` in `GREEDY_ROWS`
+    and in `GREEDY_ROWS_BY_WIDTH[gemm.vector_width()]`. Otherwise the logits are computed
     and `argmax` takes their argmax. Every path gives `compute_logits(hidden).argmax(-1)` exactly,
     but for a quantized head with `quant_screen` (a `models.quant.QuantLinear`, same conditions,
     rows in `quant_head.QUANT_ROWS`): `quant_argmax` gives the argmax of its exact fp32 decode
@@ -219,7 +225,8 @@ class GreedyHead:
         screen = getattr(head, "screen", None)
         if screen is not None and rows in SCREENED_ROWS and rows in SCREENED_ROWS_BY_ISA[screen.isa]:
             return "screened_argmax"
-        return "linear_argmax" if rows in GREEDY_ROWS else "logits"
+        fused = rows in GREEDY_ROWS and rows in GREEDY_ROWS_BY_WIDTH.get(gemm.vector_width(), GREEDY_ROWS)
+        return "linear_argmax" if fused else "logits"
 
     def tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Greedy tokens of `hidden [rows, hidden_size]` straight from the head, without logits;

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from kernels import cpu_build
-from kernels import elementwise, lm_head
+from kernels import cpu_features, elementwise, gemm, lm_head
 from kernels.gemm import pack_panels
 from models.prepack import PackedLinear, prepack_linears
 
@@ -106,6 +106,8 @@ def test_prepack_puts_the_head_on_panels_whatever_the_kind(tiny_hf):
 
 def test_greedy_tokens_gate(tiny_hf, monkeypatch):
     monkeypatch.setattr(lm_head, "SCREENED_ROWS", range(0))   # the bf16 screen's gate: test_screened_argmax
+    # the fused kernel at every row count of GREEDY_ROWS, whatever this build's default (AVX2: off)
+    monkeypatch.setitem(lm_head.GREEDY_ROWS_BY_WIDTH, gemm.vector_width(), range(1, 1 << 20))
     model = _head_model(tiny_hf)
     h = torch.randn(40, model.spec.hidden_size)
     with torch.inference_mode():
@@ -124,6 +126,20 @@ def test_greedy_tokens_gate(tiny_hf, monkeypatch):
         monkeypatch.setattr(elementwise, "ENABLED", True)
         monkeypatch.setattr(model.spec, "logits_scaling", 2.0)
         assert model.greedy_head.tokens(h) is None                 # scaling could round logits into a tie
+        monkeypatch.setattr(model.spec, "logits_scaling", 1.0)
+        monkeypatch.setitem(lm_head.GREEDY_ROWS_BY_WIDTH, gemm.vector_width(), range(0))
+        assert model.greedy_head.path(h) == "logits"              # this build's width turns it off
+        assert torch.equal(model.greedy_head(h, model.compute_logits), want)
+
+
+def test_fused_head_by_vector_width():
+    """AVX-512 builds take the fused kernel from 24 rows; AVX2 builds (16-token tiles, slower than
+    the panel product there) never do; the width is what the library was built with."""
+    assert gemm.vector_width() in lm_head.GREEDY_ROWS_BY_WIDTH
+    assert gemm.vector_width() == (16 if "avx512f" in cpu_features.cpu_flags() else 8) or \
+        cpu_features.kernel_paths()["library"] != "native"
+    assert 24 in lm_head.GREEDY_ROWS_BY_WIDTH[16] and 23 not in lm_head.GREEDY_ROWS_BY_WIDTH[16]
+    assert len(lm_head.GREEDY_ROWS_BY_WIDTH[8]) == 0
 
 
 @pytest.mark.parametrize("op, gate", [("linear_argmax", "GREEDY_ROWS"), ("screened_argmax", "SCREENED_ROWS")])
@@ -144,6 +160,9 @@ def test_engine_greedy_same_with_fused_head_on_and_off(tiny_hf, monkeypatch, op,
     monkeypatch.setattr(lm_head, op, lambda *a: calls.append(a[0].shape[0]) or real(*a))
     if op == "linear_argmax":
         monkeypatch.setattr(lm_head, "SCREENED_ROWS", range(0))   # else the screen takes every step
+        monkeypatch.setitem(lm_head.GREEDY_ROWS_BY_WIDTH, gemm.vector_width(), range(1, 1 << 20))
+    else:   # the AVX2 screen takes only few rows by default (SCREENED_ROWS_BY_ISA): here every step
+        monkeypatch.setitem(lm_head.SCREENED_ROWS_BY_ISA, lm_head.screen_isa(), range(1, 1 << 20))
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outs, on = {}, getattr(lm_head, gate)
     for rows in (on, range(0)):

@@ -20,7 +20,9 @@
 // time, lost ~1 ms of a step to DRAM stalls in the engine). Threads split the panels into
 // contiguous ranges; their per-lane winners are merged in vocab order, so the first index wins.
 //
-// More than 64 rows go in equal blocks of at most 64, each a pass over W.
+// More rows go in equal blocks of at most 16 * MAX_MV, each a pass over W: 64 with AVX-512; 16 with
+// AVX2, where 32 / 64 tokens at once ran at 33-36 GFLOP/s against 39-44 for 16 (Zen 3, one
+// thread; the sums of wider tiles do not fit its 16 registers).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,21 +39,28 @@ namespace {
 using namespace zooinfer_panels;
 
 constexpr int64_t KB = 64;   // k steps per block: 8 KB of panel, 16 KB of xT for 64 tokens
-constexpr int MAX_MV = 4;    // 64 tokens per pass
+constexpr int MAX_MV = VW == 16 ? 4 : 1;    // 64 / 16 tokens per pass
+// Token lanes are native vectors (panels.h `vreg`): 16 * MV tokens are L = 16 * MV / VW of them.
+// (16-float GCC vectors in 2-D arrays were lowered without AVX-512 to stack traffic and scalar
+// inserts on every k step: 3-8 GFLOP/s on Zen 3.)
+template <int MV>
+constexpr int lanes_vectors() { return static_cast<int>(16 * MV / VW); }
+constexpr int MAX_L = 16 * MAX_MV / VW;
+typedef int32_t vireg __attribute__((vector_size(VW * 4)));
 
 // The running winner of each token lane: value and vocab index.
 struct Best {
-  vf16 val[MAX_MV];
-  vi16 idx[MAX_MV];
+  vreg val[MAX_L];
+  vireg idx[MAX_L];
 };
 
-// Fold vocab row n's values v (one vector per 16 tokens) into the winners: replace on a
+// Fold vocab row n's values v (L vectors of tokens) into the winners: replace on a
 // strictly larger value, or on the first NaN (a NaN winner is never replaced).
-template <int MV>
-inline void fold(Best& b, const vf16* v, int32_t n) {
-  const vi16 nv = splati(n);
-  for (int j = 0; j < MV; ++j) {
-    const vi16 upd = (v[j] > b.val[j]) | ((v[j] != v[j]) & (b.val[j] == b.val[j]));
+template <int L>
+inline void fold(Best& b, const vreg* v, int32_t n) {
+  const vireg nv = n - vireg{};
+  for (int j = 0; j < L; ++j) {
+    const vireg upd = (v[j] > b.val[j]) | ((v[j] != v[j]) & (b.val[j] == b.val[j]));
     b.val[j] = upd ? v[j] : b.val[j];
     b.idx[j] = upd ? nv : b.idx[j];
   }
@@ -62,32 +71,33 @@ inline void fold(Best& b, const vf16* v, int32_t n) {
 // store the partial sums to `scratch`. `pf` walks the next block: R/16 lines per k step.
 template <int MV, int R, bool FIRST, bool LAST>
 inline void tile(const float* __restrict p, const float* __restrict xt, int64_t k0, int64_t k1, int32_t n0,
-                 int valid, vf16* __restrict scratch, Best& best, const char*& pf, const char* pf_end) {
-  vf16 acc[R][MV];
+                 int valid, vreg* __restrict scratch, Best& best, const char*& pf, const char* pf_end) {
+  constexpr int L = lanes_vectors<MV>();
+  vreg acc[R][L];
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < MV; ++j) acc[r][j] = FIRST ? splat(0.f) : scratch[r * MV + j];
+    for (int j = 0; j < L; ++j) acc[r][j] = FIRST ? vreg{} : scratch[r * L + j];
   for (int64_t k = k0; k < k1; ++k) {
     const int lines = static_cast<int>(((k + 1) * R) / 16 - (k * R) / 16);
     for (int i = 0; i < lines && pf < pf_end; ++i, pf += 64) __builtin_prefetch(pf, 0, 3);
-    vf16 xv[MV];
-    for (int j = 0; j < MV; ++j) xv[j] = load(xt + k * 16 * MV + 16 * j);
+    vreg xv[L];
+    for (int j = 0; j < L; ++j) xv[j] = vload(xt + k * 16 * MV + VW * j);
     for (int r = 0; r < R; ++r) {
-      const vf16 a = splat(p[k * NR + r]);
-      for (int j = 0; j < MV; ++j) acc[r][j] += a * xv[j];
+      const vreg a = vsplat(p[k * NR + r]);
+      for (int j = 0; j < L; ++j) acc[r][j] += a * xv[j];
     }
   }
   if (!LAST) {
     for (int r = 0; r < R; ++r)
-      for (int j = 0; j < MV; ++j) scratch[r * MV + j] = acc[r][j];
+      for (int j = 0; j < L; ++j) scratch[r * L + j] = acc[r][j];
     return;
   }
-  for (int r = 0; r < R && r < valid; ++r) fold<MV>(best, acc[r], n0 + r);
+  for (int r = 0; r < R && r < valid; ++r) fold<L>(best, acc[r], n0 + r);
 }
 
 // Panels [pb, pe) into `best`; N is the true row count (the last panel may be padded).
 template <int MV, int R>
 void run(const float* panels, int64_t N, int64_t K, const float* xt, int64_t pb, int64_t pe, Best& best) {
-  vf16 scratch[NR * MV];
+  vreg scratch[NR * lanes_vectors<MV>()];
   const char* pf = reinterpret_cast<const char*>(panels + pb * K * NR);
   const char* pf_end = reinterpret_cast<const char*>(panels + pe * K * NR);
   pf += std::min<int64_t>(KB * NR * sizeof(float), pf_end - pf);   // block 0 is read first; prefetch from block 1
@@ -97,7 +107,7 @@ void run(const float* panels, int64_t N, int64_t K, const float* xt, int64_t pb,
       const int64_t k1 = std::min(K, k0 + KB);
       const bool first = k0 == 0, last = k1 == K;
       for (int64_t c = 0; c < NR; c += R) {
-        vf16* s = scratch + c * MV;
+        vreg* s = scratch + c * lanes_vectors<MV>();
         const auto n0 = static_cast<int32_t>(q * NR + c);
         const int valid = static_cast<int>(std::min<int64_t>(R, N - n0));
         if (valid <= 0) break;   // padding past N
@@ -111,12 +121,13 @@ void run(const float* panels, int64_t N, int64_t K, const float* xt, int64_t pb,
   }
 }
 
-// Rows per tile for MV token vectors (R divides the panel width; R * MV accumulators).
-// 4 rows at 64 tokens: 8 rows would need all 32 zmm registers for the sums alone. Without
-// AVX-512 a 16-token vector is two of the 16 ymm registers, so R * MV stays at 4 (8 ymm of sums,
-// 2 * MV of x): the AVX-512 tiles there spilled their sums to the stack on every k step.
+// Rows per tile for MV 16-token vectors (R divides the panel width; R * L accumulators).
+// AVX-512: 4 rows at 64 tokens: 8 rows would need all 32 zmm registers for the sums alone.
+// AVX2 (16 ymm, L = 2 * MV): measured on Zen 3 (one thread, SmolLM2's 49152 x 576 head), R = 8 / 4
+// / 2 for 16 / 32 / 64 tokens ran at 39-44 / 34-36 / 37-40 GFLOP/s, fewer rows 10-25% slower at
+// 16 tokens; more rows spill some sums but the broadcasts of the panel amortise better.
 constexpr int rows_per_tile(int mv) {
-  return VW == 16 ? (mv == 1 ? 16 : mv == 4 ? 4 : 8) : (mv == 1 ? 4 : mv == 2 ? 2 : 1);
+  return VW == 16 ? (mv == 1 ? 16 : mv == 4 ? 4 : 8) : (mv == 1 ? 8 : mv == 2 ? 4 : 2);
 }
 
 template <int MV>
@@ -132,25 +143,31 @@ void block(const float* panels, int64_t N, int64_t K, const float* xt, int64_t r
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t b = np_ * c / chunks, e = np_ * (c + 1) / chunks;
       Best& best = bests[c];
-      for (int j = 0; j < MV; ++j) {
-        best.val[j] = splat(-std::numeric_limits<float>::infinity());
-        best.idx[j] = splati(static_cast<int32_t>(b * NR));   // all -inf: the range's first row wins
+      for (int j = 0; j < lanes_vectors<MV>(); ++j) {
+        best.val[j] = vsplat(-std::numeric_limits<float>::infinity());
+        best.idx[j] = static_cast<int32_t>(b * NR) - vireg{};   // all -inf: the range's first row wins
       }
       run<MV, R>(panels, N, K, xt, b, e, best);
     }
   });
   for (int64_t m = 0; m < rows; ++m) {
-    float bv = bests[0].val[m / 16][m % 16];
-    int64_t bi = bests[0].idx[m / 16][m % 16];
+    float bv = bests[0].val[m / VW][m % VW];
+    int64_t bi = bests[0].idx[m / VW][m % VW];
     for (int64_t c = 1; c < chunks; ++c) {
-      const float v = bests[c].val[m / 16][m % 16];
+      const float v = bests[c].val[m / VW][m % VW];
       if (v > bv || (v != v && bv == bv)) {
         bv = v;
-        bi = bests[c].idx[m / 16][m % 16];
+        bi = bests[c].idx[m / VW][m % VW];
       }
     }
     out[m] = bi;
   }
+}
+
+// block<MV> where MV <= MAX_MV (only such MV occur); wider ones are never instantiated.
+template <int MV>
+void block_upto(const float* panels, int64_t N, int64_t K, const float* xt, int64_t rows, int64_t* out) {
+  if constexpr (MV <= MAX_MV) block<MV>(panels, N, K, xt, rows, out);
 }
 
 at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
@@ -166,7 +183,7 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t 
   int64_t* op = out.data_ptr<int64_t>();
   std::vector<float> xt_buf(static_cast<size_t>(K) * 16 * MAX_MV + 16);
   float* xt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(xt_buf.data()) + 63) & ~uintptr_t(63));
-  // Blocks of at most 64 rows, of equal size (65 rows: 33 + 32, not 64 + 1).
+  // Blocks of at most 16 * MAX_MV rows, of equal size (65 rows: 33 + 32, not 64 + 1).
   const int64_t nblocks = (M + 16 * MAX_MV - 1) / (16 * MAX_MV);
   const int64_t per_block = (M + nblocks - 1) / nblocks;
   for (int64_t m0 = 0; m0 < M; m0 += per_block) {
@@ -179,10 +196,10 @@ at::Tensor linear_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t 
       for (int64_t m = rows; m < lanes; ++m) dst[m] = 0.f;
     }
     switch (mv) {
-      case 1: block<1>(pp, n, K, xt, rows, op + m0); break;
-      case 2: block<2>(pp, n, K, xt, rows, op + m0); break;
-      case 3: block<3>(pp, n, K, xt, rows, op + m0); break;
-      default: block<4>(pp, n, K, xt, rows, op + m0); break;
+      case 1: block_upto<1>(pp, n, K, xt, rows, op + m0); break;
+      case 2: block_upto<2>(pp, n, K, xt, rows, op + m0); break;
+      case 3: block_upto<3>(pp, n, K, xt, rows, op + m0); break;
+      default: block_upto<4>(pp, n, K, xt, rows, op + m0); break;
     }
   }
   return out;

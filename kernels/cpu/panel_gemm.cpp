@@ -155,9 +155,13 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n
   return out;
 }
 
+int64_t panel_vector_width() { return VW; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
+  m.def("panel_vector_width() -> int");   // floats per register of the panel kernels' tiles (panels.h)
+  m.impl("panel_vector_width", c10::DispatchKey::CatchAll, TORCH_FN(panel_vector_width));
   m.def("panel_linear(Tensor x, Tensor panels, int n, Tensor? bias) -> Tensor");
   m.impl("panel_linear", c10::DispatchKey::CPU, TORCH_FN(panel_linear));
 }
