@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_build.available():
         raise SystemExit("error: the C++ CPU kernels are unavailable; nothing to compare")
     if not quant_gemm.q8_available() and any(p.startswith(("int8", "q8")) for p in paths):
-        raise SystemExit("error: this CPU lacks AVX-512 VNNI; the int8-activation paths cannot run")
+        raise SystemExit("error: this CPU lacks AVX2 + FMA; the int8-activation paths cannot run")
     from bench.throughput import hf_dir_for, resolve_model
     torch.set_num_threads(args.threads)
     label, path = resolve_model(args.model)

@@ -1,0 +1,154 @@
+// Linears on quantized weights with int8 activations on AVX2 + FMA (no VNNI): what
+// `quant_linear_q8` (decode rows) and `quant_linear_q8_gemm` (any rows) run on isa 1, i.e. on
+// CPUs without AVX-512 VNNI (Zen 2 / Zen 3, most laptops) or when a test forces it.
+//
+// Why: without it those CPUs ran the exact fp32-activation kernels (quant_gemm.cpp), which widen
+// every weight to fp32 (about eight instructions per 8 weights on AVX2). As llama.cpp does on
+// AVX2 (its Q8_0 / Q8_1 activations), x is rounded to int8 per 32-block once per call and the
+// dot products are integer: per 32 weights and row of x, one vpmaddubsw (32 unsigned x signed
+// byte products summed in pairs to 16 int16) and one vpmaddwd by ones (8 int32 lanes), then cvt
+// and one FMA by (weight scale x block scale of x).
+//
+// What it computes is quant_gemv_q8.cpp's formula, so its bound holds (tests/test_quant_q8.py):
+// sum_k x_k w_k = sum_b s_b dx_b sum_{k in b} q_k xq_k + sum_g (min_g - zero s_g) xsum_g, the
+// integer sums exact, xsum the exact fp32 group sums of x; |result - x @ dequantize(W)^T| <=
+// sum_b |s| (dx_b / 2) sum_{k in b} |q_k| + fp32 rounding. Not bit-identical to the VNNI kernels
+// (another fp32 order), but with fewer roundings per output: 8 lanes, one FMA per 32-block each.
+//
+// Nothing saturates in vpmaddubsw (it saturates the int16 pair sums), by the operand choice:
+// - 4-bit q 0..15 is the unsigned operand as it is, xq (|xq| <= 127) the signed one:
+//   |pair| <= 2 * 15 * 127 = 3810;
+// - 8-bit q (int8 formats; 5 / 6 bits expanded to q - zero, quant_storage.h) is signed: |q| is
+//   the unsigned operand (|-128| = 128 as a byte) and sign(xq, q) (xq negated where q < 0, zero
+//   where q = 0) the signed one, so the product is q xq and |pair| <= 2 * 128 * 127 = 32512.
+// The int32 lane sums (<= 4 * 128 * 127 per block) convert to fp32 exactly.
+//
+// Layout: x quantized in natural order (quant_xq.h `quantize_rows_avx2`). A 4-bit block is 16
+// bytes, byte j = weight j low nibble | weight j + 16 high nibble; one 128-bit broadcast, a
+// variable shift (0 in the low lane, 4 in the high lane) and a mask give its 32 weights in
+// natural order. Groups: any multiple of 32, or of 16 for 8-bit weights (Q6_K): then the two
+// 16-weight halves of a block (lanes 0-3 and 4-7) take their own scale.
+//
+// One kernel for every row count: each weight row is unpacked once per tile of up to 4 rows of x
+// (16 ymm registers: 4 accumulators, the weights, |q|, scales, constants, temporaries), x in
+// blocks of 64 rows (L1 / L2) against each 64-row tile of the weight (for_row_tiles); threads
+// split the output columns. Each output is one fp32 chain over its blocks in k order whatever
+// the tile, block of rows or thread, so a row's result does not depend on the batch size nor on
+// the thread count, and the decode op and the GEMM op give the same values on this path.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "quant_xq.h"
+
+namespace zi_quant {
+namespace {
+
+constexpr int RX = 4;          // rows of x per register tile
+constexpr int64_t MBX = 64;    // rows of x per block against a weight tile
+
+struct Args {                  // one call's quantized x and what the formula needs per row
+  const XQ* xq;
+  const float* xsum;           // [M, ng] exact fp32 group sums, or null (no min / zero term)
+  const int32_t* half_group;   // the group of each 16-weight half of K
+  int64_t ng;
+};
+
+// Output column n (row n of the weight tile `t`) for rows m..m + R of x.
+template <int R, bool FOUR, bool G16>
+ZI_AVX2 void tile(const QW& t, int64_t n, const Args& a, int64_t m, float* out, int64_t ldo) {
+  const int64_t nb = t.k / 32, ldq = a.xq->ldq, ldd = a.xq->ldd;
+  const uint8_t* r = t.qs + n * t.row_bytes();
+  const float* sc = t.scale + n * a.ng;
+  const int32_t* hg = a.half_group;
+  const int8_t* xq = a.xq->q.data() + m * ldq;
+  const float* dx = a.xq->d.data() + m * ldd;
+  const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
+  const __m256i shift = _mm256_setr_epi64x(0, 0, 4, 4);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i wv, aw;
+    if constexpr (FOUR) {     // 16 bytes -> weights 0..15 (low nibbles), 16..31 (high nibbles)
+      const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * 16)));
+      wv = _mm256_and_si256(_mm256_srlv_epi64(v, shift), low4);
+      aw = wv;
+    } else {
+      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + b * 32));
+      aw = _mm256_abs_epi8(wv);
+    }
+    const __m256 sw = G16 ? _mm256_set_m128(_mm_set1_ps(sc[hg[2 * b + 1]]), _mm_set1_ps(sc[hg[2 * b]]))
+                          : _mm256_set1_ps(sc[hg[2 * b]]);
+    for (int i = 0; i < R; ++i) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldq + b * 32));
+      const __m256i p16 = _mm256_maddubs_epi16(aw, FOUR ? xv : _mm256_sign_epi8(xv, wv));
+      const __m256 dp = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+      acc[i] = _mm256_fmadd_ps(dp, _mm256_mul_ps(sw, _mm256_broadcast_ss(dx + i * ldd + b)), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    out[(m + i) * ldo + n] = Avx2::sum(acc[i]) + (a.xsum ? offset_dot(Avx2{}, t, n, a.xsum + (m + i) * a.ng) : 0.f);
+}
+
+// Every column of the weight tile `t` for rows [0, M) of x (out: the tile's column 0).
+template <bool FOUR, bool G16>
+ZI_AVX2 void tile_rows(const QW& t, const Args& a, int64_t M, float* out, int64_t ldo) {
+  for (int64_t m0 = 0; m0 < M; m0 += MBX) {
+    const int64_t m1 = std::min(M, m0 + MBX);
+    for (int64_t n = 0; n < t.n; ++n) {
+      if (m0 == 0 && n + 1 < t.n) {     // the first pass streams the tile from memory: next row meanwhile
+        const char* next = reinterpret_cast<const char*>(t.qs + (n + 1) * t.row_bytes());
+        for (int64_t o = 0; o < t.row_bytes(); o += 64) __builtin_prefetch(next + o, 0, 0);
+      }
+      for (int64_t m = m0; m < m1; m += RX) {
+        switch (std::min<int64_t>(RX, m1 - m)) {
+          case 1: tile<1, FOUR, G16>(t, n, a, m, out, ldo); break;
+          case 2: tile<2, FOUR, G16>(t, n, a, m, out, ldo); break;
+          case 3: tile<3, FOUR, G16>(t, n, a, m, out, ldo); break;
+          default: tile<4, FOUR, G16>(t, n, a, m, out, ldo); break;
+        }
+      }
+    }
+  }
+}
+
+// The exact fp32 group sums of rows [m0, m1) of x: 8 lanes in k order, then across the lanes.
+ZI_AVX2 void group_sums_avx2(const float* x, int64_t K, int64_t G, int64_t m0, int64_t m1, float* xsum) {
+  const int64_t ng = K / G;     // G is a multiple of 16 (make_qw)
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t k = g * G; k < (g + 1) * G; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(x + m * K + k));
+      xsum[m * ng + g] = Avx2::sum(s);
+    }
+}
+
+}  // namespace
+
+void q8_linear_avx2(const QW& w, const float* x, int64_t M, float* out, int64_t ldo) {
+  const int64_t K = w.k, G = w.group, ng = K / G;
+  const bool sums = w.has_min() || w.tile_zero();
+  XQ xq = xq_alloc(M, K, false);
+  std::vector<float> xsum(sums ? M * ng : 0);
+  at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+    quantize_rows_avx2(x, K, m0, m1, K, false, xq);
+    if (sums) group_sums_avx2(x, K, G, m0, m1, xsum.data());
+  });
+  std::vector<int32_t> half_group(K / 16);
+  for (int64_t h = 0; h < K / 16; ++h) half_group[h] = static_cast<int32_t>(h * 16 / G);
+  const Args a{&xq, sums ? xsum.data() : nullptr, half_group.data(), ng};
+  const bool g16 = G % 32 != 0;   // 8-bit only (make_qw: 4-bit groups are multiples of 32)
+  at::parallel_for(0, w.n, 16, [&](int64_t n0, int64_t n1) {
+    for_row_tiles(w, 1, n0, n1, [&](const QW& t, int64_t r0, int64_t) {
+      if (t.bits == 4) tile_rows<true, false>(t, a, M, out + r0, ldo);
+      else if (g16) tile_rows<false, true>(t, a, M, out + r0, ldo);
+      else tile_rows<false, false>(t, a, M, out + r0, ldo);
+    });
+  });
+}
+
+}  // namespace zi_quant
