@@ -58,9 +58,10 @@ struct Args {                  // one call's quantized x and what the formula ne
   int64_t ng;
 };
 
-// Output column n (row n of the weight tile `t`) for rows m..m + R of x.
+// Output column n (row n of the weight tile `t`) for rows m..m + R of x. Not inlined: inlined
+// into the tile loops, GCC kept the accumulators on the stack (a store-forward in every chain).
 template <int R, bool FOUR, bool G16>
-ZI_AVX2 void tile(const QW& t, int64_t n, const Args& a, int64_t m, float* out, int64_t ldo) {
+ZI_AVX2 __attribute__((noinline)) void tile(const QW& t, int64_t n, const Args& a, int64_t m, float* out, int64_t ldo) {
   const int64_t nb = t.k / 32, ldq = a.xq->ldq, ldd = a.xq->ldd;
   const uint8_t* r = t.qs + n * t.row_bytes();
   const float* sc = t.scale + n * a.ng;
@@ -70,6 +71,7 @@ ZI_AVX2 void tile(const QW& t, int64_t n, const Args& a, int64_t m, float* out, 
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
   const __m256i shift = _mm256_setr_epi64x(0, 0, 4, 4);
   __m256 acc[R];
+#pragma GCC unroll 4
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv, aw;
@@ -83,6 +85,7 @@ ZI_AVX2 void tile(const QW& t, int64_t n, const Args& a, int64_t m, float* out, 
     }
     const __m256 sw = G16 ? _mm256_set_m128(_mm_set1_ps(sc[hg[2 * b + 1]]), _mm_set1_ps(sc[hg[2 * b]]))
                           : _mm256_set1_ps(sc[hg[2 * b]]);
+#pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldq + b * 32));
       const __m256i p16 = _mm256_maddubs_epi16(aw, FOUR ? xv : _mm256_sign_epi8(xv, wv));
@@ -90,8 +93,11 @@ ZI_AVX2 void tile(const QW& t, int64_t n, const Args& a, int64_t m, float* out, 
       acc[i] = _mm256_fmadd_ps(dp, _mm256_mul_ps(sw, _mm256_broadcast_ss(dx + i * ldd + b)), acc[i]);
     }
   }
+  float res[R];
+#pragma GCC unroll 4
+  for (int i = 0; i < R; ++i) res[i] = Avx2::sum(acc[i]);
   for (int i = 0; i < R; ++i)
-    out[(m + i) * ldo + n] = Avx2::sum(acc[i]) + (a.xsum ? offset_dot(Avx2{}, t, n, a.xsum + (m + i) * a.ng) : 0.f);
+    out[(m + i) * ldo + n] = res[i] + (a.xsum ? offset_dot(Avx2{}, t, n, a.xsum + (m + i) * a.ng) : 0.f);
 }
 
 // Every column of the weight tile `t` for rows [0, M) of x (out: the tile's column 0).
