@@ -19,8 +19,9 @@ per 32-block and integer dot products: not exact, within the bound its header st
 GEMM (16 output columns per register, each N tile's weights unpacked once per block of rows);
 `quant_linear_int8_act` picks between the two by row count (`Q8_GEMM_MIN_ROWS`). Their `isa`:
 -1 the best this CPU has (`q8_best_isa`), 2 the AVX-512 VNNI kernels above, 1 AVX2 + FMA
-(kernels/cpu/quant_q8_avx2.cpp: vpmaddubsw; one kernel behind both ops, whose rows do not depend
-on the row count; the path of CPUs without VNNI, and forced by tests on VNNI CPUs).
+(kernels/cpu/quant_q8_avx2.cpp: vpmaddubsw, the decode op in row order, the GEMM op in GEMM order
+for 4-bit weights; the path of CPUs without VNNI, and forced by tests on VNNI CPUs). On every
+path an op's rows do not depend on the row count.
 """
 from __future__ import annotations
 

@@ -132,29 +132,38 @@ def test_activations_round_as_the_torch_reference_bit_for_bit(isa):
 
 
 @needs_q8
-def test_avx2_rows_do_not_depend_on_the_row_count_nor_the_op_nor_the_threads():
-    """On AVX2 the decode op and the GEMM op run one kernel whose every output is one fp32 chain
-    over its blocks, whatever the register tile (1-4 rows), block of 64 rows or thread: a row's
-    result is bit-identical alone, in any batch, through either op and at 1 or 2 threads."""
+def test_avx2_rows_do_not_depend_on_the_row_count_nor_the_threads():
+    """On AVX2 every output of either op is one fp32 chain over its blocks, whatever the register
+    tile (1-4 rows), block of rows (64 in row order, 128 in GEMM order) or thread: a row's result
+    is bit-identical alone, in any batch and at 1 or 2 threads; on 8-bit weights both ops run the
+    row-order kernel (the same values), on 4-bit ones the GEMM op its GEMM-ordered kernel."""
     from kernels import quant_gemm
     g = torch.Generator().manual_seed(14)
     n = torch.get_num_threads()
-    for name in ("Q4_1", "Q6_K", "int4_asym-33x100", "int8-g96-21x192"):
+    for name in ("Q4_1", "Q6_K", "int4_asym-33x100", "int8-g96-21x192", "int4-g128-19x384"):
         qw = next(c[1] for c in CASES if c[0] == name)
-        x = torch.randn(150, qw.k_pad, generator=g)
+        x = torch.randn(300, qw.k_pad, generator=g)
         args = (qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)
+        gemm = (lambda xs: quant_gemm.quant_linear_q8_gemm(xs, *args, **qw.storage, isa=1))
+        dec = (lambda xs: quant_gemm.quant_linear_q8(xs, *args, **qw.storage, isa=1))
         try:
             torch.set_num_threads(1)
-            one = quant_gemm.quant_linear_q8_gemm(x, *args, **qw.storage, isa=1)
+            one = gemm(x)
             torch.set_num_threads(2)
-            two = quant_gemm.quant_linear_q8_gemm(x, *args, **qw.storage, isa=1)
+            two = gemm(x)
         finally:
             torch.set_num_threads(n)
         assert torch.equal(one, two), name
-        for rows in (slice(0, 1), slice(3, 5), slice(5, 12), slice(60, 76), slice(120, 150), [3, 140, 77]):
-            assert torch.equal(quant_gemm.quant_linear_q8_gemm(x[rows], *args, **qw.storage, isa=1), one[rows])
-            if len(one[rows]) <= quant_gemm.Q8_MAX_ROWS:
-                assert torch.equal(quant_gemm.quant_linear_q8(x[rows], *args, **qw.storage, isa=1), one[rows])
+        ref = torch.cat([dec(x[i:i + 16]) for i in range(0, 48, 16)])     # the decode op on the first 48 rows
+        for rows in (slice(0, 1), slice(3, 5), slice(5, 12), slice(60, 76), slice(120, 150), slice(130, 300),
+                     [3, 140, 77]):
+            assert torch.equal(gemm(x[rows]), one[rows]), (name, rows)
+            sub = x[rows][:16]
+            idx = torch.arange(300)[rows][:16]
+            if (idx < 48).all():
+                assert torch.equal(dec(sub), ref[idx]), (name, rows)
+        if qw.bits != 4:                         # 4-bit: another kernel (GEMM order), another fp32 order
+            assert torch.equal(ref, one[:48]), name
 
 
 @needs_q8

@@ -26,8 +26,8 @@
 // sums exact, each output one fp32 chain over units in k order; |result - x @ dequantize(W)^T| <=
 // sum_b |s| (dx_b / 2) sum_{k in b} |q_k| + fp32 rounding. Not bit-identical to the decode kernel
 // (other fp32 order). Needs AVX-512 F/BW/VL + VNNI, as the decode kernel (isa 2); on isa 1 (AVX2 +
-// FMA: no VNNI, or forced by the `isa` argument) the op runs quant_q8_avx2.cpp's kernel instead,
-// the one the decode op runs there too.
+// FMA: no VNNI, or forced by the `isa` argument) the op runs quant_q8_avx2.cpp's kernels instead
+// (GEMM order for 4-bit weights; for 8-bit ones the decode op's row order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -188,7 +188,7 @@ at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const
   at::Tensor out = at::empty({M, N}, x.options());
   if (M > 0 && N > 0 && path == 1) {
     const at::Tensor xc = x.contiguous();
-    q8_linear_avx2(w, xc.data_ptr<float>(), M, out.data_ptr<float>(), N);   // quant_q8_avx2.cpp
+    q8_linear_avx2(w, xc.data_ptr<float>(), M, out.data_ptr<float>(), N, true);   // quant_q8_avx2.cpp
   } else if (M > 0 && N > 0) {
     const at::Tensor xc = x.contiguous();
     const float* xp = xc.data_ptr<float>();

@@ -22,8 +22,8 @@
 //   8-bit: natural order, 64 weights per chunk, lane i = weights 4i..4i+3 (block i / 8). Signed
 //   weights: |w| as the unsigned operand and x negated where w < 0 (vpdpbusd is unsigned x signed).
 // This kernel needs AVX-512 F/BW/VL + VNNI (isa 2); elsewhere (isa 1: AVX2 + FMA, or forced by
-// the `isa` argument) the op runs quant_q8_avx2.cpp's kernel, the same formula and bound, whose
-// results do not depend on the row count. `quant_q8_available`: either path; without AVX2 + FMA
+// the `isa` argument) the op runs quant_q8_avx2.cpp's row-order kernel, the same formula and
+// bound, whose results do not depend on the row count. `quant_q8_available`: either path; without AVX2 + FMA
 // the Python side falls back to the exact kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -154,7 +154,7 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::
     const float* xp = xc.data_ptr<float>();
     float* op = out.data_ptr<float>();
     if (path == 1) {
-      q8_linear_avx2(w, xp, M, op, N);     // quant_q8_avx2.cpp: the same kernel as quant_linear_q8_gemm's
+      q8_linear_avx2(w, xp, M, op, N, false);     // quant_q8_avx2.cpp, row order
     } else {
       const XQ xq = quantize_x(xp, w.k, M, w.k, bits == 4);
       const std::vector<float> xsum = group_sums(w, xp, w.k, M);

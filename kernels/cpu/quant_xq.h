@@ -127,7 +127,8 @@ inline XQ quantize_x(const float* x, int64_t ldx, int64_t M, int64_t K, bool nib
 }
 
 // out [M, N] (row stride ldo) = x [M, K] (row stride K) @ W^T with int8 activations on AVX2 + FMA,
-// for any M (quant_q8_avx2.cpp; `quant_linear_q8` and `quant_linear_q8_gemm` on isa 1). W's K is x's.
-void q8_linear_avx2(const QW& w, const float* x, int64_t M, float* out, int64_t ldo);
+// for any M (quant_q8_avx2.cpp; `quant_linear_q8`, and `quant_linear_q8_gemm` with gemm_order: the
+// GEMM-ordered kernel for 4-bit weights). W's K is x's.
+void q8_linear_avx2(const QW& w, const float* x, int64_t M, float* out, int64_t ldo, bool gemm_order);
 
 }  // namespace zi_quant
