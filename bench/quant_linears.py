@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     nweights = sum(w.numel() for w, _, _ in linears)
     print(f"model {label}: {len(linears)} body linears, {nweights / 1e6:.1f}M weights, format {args.format}, "
           f"threads {args.threads}, median of {args.rounds} rounds (wall), Q8_GEMM_MIN_ROWS "
-          f"{quant_gemm.Q8_GEMM_MIN_ROWS}")
+          f"{quant_gemm.Q8_GEMM_MIN_ROWS}, int8-activation path "
+          f"{quant_gemm.Q8_ISA_NAMES.get(quant_gemm.q8_best_isa(), 'none')}")
     print(cpu_features.describe())
     print(f"{'rows':>5}" + "".join(f"{p + ' ms':>14}" for p in paths) +
           "".join(f"{p + ' speedup':>16}" for p in paths if p != "fp32" and "fp32" in paths))
