@@ -73,64 +73,94 @@ struct Args {                  // one call's quantized x and what the formula ne
   int64_t ng;
 };
 
-// Output column n (row n of the weight tile `t`) for rows m..m + R of x. Not inlined: inlined
-// into the tile loops, GCC kept the accumulators on the stack (a store-forward in every chain).
-template <int R, bool FOUR, bool G16>
+// Output columns n..n + NW (rows of the weight tile `t`) for rows m..m + R of x. NW = 2 where
+// R <= 2 (decode): two independent chains per row of x, the same operations per output as NW = 1.
+// Not inlined: inlined into the tile loops, GCC kept the accumulators on the stack (a
+// store-forward in every chain).
+template <int R, int NW, bool FOUR, bool G16>
 ZI_AVX2 __attribute__((noinline)) void tile(const QW& t, int64_t n, const Args& a, int64_t m, float* out, int64_t ldo) {
-  const int64_t nb = t.k / 32, ldq = a.xq->ldq, ldd = a.xq->ldd;
-  const uint8_t* r = t.qs + n * t.row_bytes();
+  const int64_t nb = t.k / 32, ldq = a.xq->ldq, ldd = a.xq->ldd, rb = t.row_bytes();
+  const uint8_t* r = t.qs + n * rb;
   const float* sc = t.scale + n * a.ng;
   const int32_t* hg = a.half_group;
   const int8_t* xq = a.xq->q.data() + m * ldq;
   const float* dx = a.xq->d.data() + m * ldd;
   const __m256i ones = _mm256_set1_epi16(1), low4 = _mm256_set1_epi8(0x0F);
   const __m256i shift = _mm256_setr_epi64x(0, 0, 4, 4);
-  __m256 acc[R];
-#pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  __m256 acc[NW][R];
+#pragma GCC unroll 8
+  for (int i = 0; i < NW * R; ++i) acc[i / R][i % R] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    __m256i wv, aw;
-    if constexpr (FOUR) {     // 16 bytes -> weights 0..15 (low nibbles), 16..31 (high nibbles)
-      const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + b * 16)));
-      wv = _mm256_and_si256(_mm256_srlv_epi64(v, shift), low4);
-      aw = wv;
-    } else {
-      wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + b * 32));
-      aw = _mm256_abs_epi8(wv);
+    __m256i wv[NW], aw[NW];
+    __m256 sw[NW];
+#pragma GCC unroll 2
+    for (int j = 0; j < NW; ++j) {
+      if constexpr (FOUR) {   // 16 bytes -> weights 0..15 (low nibbles), 16..31 (high nibbles)
+        const __m256i v = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + j * rb + b * 16)));
+        wv[j] = _mm256_and_si256(_mm256_srlv_epi64(v, shift), low4);
+        aw[j] = wv[j];
+      } else {
+        wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + j * rb + b * 32));
+        aw[j] = _mm256_abs_epi8(wv[j]);
+      }
+      const float* sj = sc + j * a.ng;
+      sw[j] = G16 ? _mm256_set_m128(_mm_set1_ps(sj[hg[2 * b + 1]]), _mm_set1_ps(sj[hg[2 * b]]))
+                  : _mm256_set1_ps(sj[hg[2 * b]]);
     }
-    const __m256 sw = G16 ? _mm256_set_m128(_mm_set1_ps(sc[hg[2 * b + 1]]), _mm_set1_ps(sc[hg[2 * b]]))
-                          : _mm256_set1_ps(sc[hg[2 * b]]);
 #pragma GCC unroll 4
     for (int i = 0; i < R; ++i) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + i * ldq + b * 32));
-      const __m256i p16 = _mm256_maddubs_epi16(aw, FOUR ? xv : _mm256_sign_epi8(xv, wv));
-      const __m256 dp = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
-      acc[i] = _mm256_fmadd_ps(dp, _mm256_mul_ps(sw, _mm256_broadcast_ss(dx + i * ldd + b)), acc[i]);
+      const __m256 dxi = _mm256_broadcast_ss(dx + i * ldd + b);
+#pragma GCC unroll 2
+      for (int j = 0; j < NW; ++j) {
+        const __m256i p16 = _mm256_maddubs_epi16(aw[j], FOUR ? xv : _mm256_sign_epi8(xv, wv[j]));
+        const __m256 dp = _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, ones));
+        acc[j][i] = _mm256_fmadd_ps(dp, _mm256_mul_ps(sw[j], dxi), acc[j][i]);
+      }
     }
   }
-  float res[R];
-#pragma GCC unroll 4
-  for (int i = 0; i < R; ++i) res[i] = Avx2::sum(acc[i]);
-  for (int i = 0; i < R; ++i)
-    out[(m + i) * ldo + n] = res[i] + (a.xsum ? offset_dot(Avx2{}, t, n, a.xsum + (m + i) * a.ng) : 0.f);
+  float res[NW][R];
+#pragma GCC unroll 8
+  for (int i = 0; i < NW * R; ++i) res[i / R][i % R] = Avx2::sum(acc[i / R][i % R]);
+  for (int j = 0; j < NW; ++j)
+    for (int i = 0; i < R; ++i)
+      out[(m + i) * ldo + n + j] =
+          res[j][i] + (a.xsum ? offset_dot(Avx2{}, t, n + j, a.xsum + (m + i) * a.ng) : 0.f);
 }
 
 // Every column of the weight tile `t` for rows [0, M) of x (out: the tile's column 0).
 template <bool FOUR, bool G16>
 ZI_AVX2 void tile_rows(const QW& t, const Args& a, int64_t M, float* out, int64_t ldo) {
+  const int64_t rb = t.row_bytes();
+  auto prefetch = [&](int64_t row) {   // the first pass streams the tile from memory: the next rows meanwhile
+    const char* p = reinterpret_cast<const char*>(t.qs + row * rb);
+    for (int64_t o = 0; row < t.n && o < rb; o += 64) __builtin_prefetch(p + o, 0, 0);
+  };
+  if (M <= 2) {                        // decode: two weight rows per pass (two chains per row of x)
+    int64_t n = 0;
+    for (; n + 2 <= t.n; n += 2) {
+      prefetch(n + 2);
+      prefetch(n + 3);
+      if (M == 1) tile<1, 2, FOUR, G16>(t, n, a, 0, out, ldo);
+      else tile<2, 2, FOUR, G16>(t, n, a, 0, out, ldo);
+    }
+    if (n < t.n) {
+      if (M == 1) tile<1, 1, FOUR, G16>(t, n, a, 0, out, ldo);
+      else tile<2, 1, FOUR, G16>(t, n, a, 0, out, ldo);
+    }
+    return;
+  }
   for (int64_t m0 = 0; m0 < M; m0 += MBX) {
     const int64_t m1 = std::min(M, m0 + MBX);
     for (int64_t n = 0; n < t.n; ++n) {
-      if (m0 == 0 && n + 1 < t.n) {     // the first pass streams the tile from memory: next row meanwhile
-        const char* next = reinterpret_cast<const char*>(t.qs + (n + 1) * t.row_bytes());
-        for (int64_t o = 0; o < t.row_bytes(); o += 64) __builtin_prefetch(next + o, 0, 0);
-      }
+      if (m0 == 0) prefetch(n + 1);
       for (int64_t m = m0; m < m1; m += RX) {
         switch (std::min<int64_t>(RX, m1 - m)) {
-          case 1: tile<1, FOUR, G16>(t, n, a, m, out, ldo); break;
-          case 2: tile<2, FOUR, G16>(t, n, a, m, out, ldo); break;
-          case 3: tile<3, FOUR, G16>(t, n, a, m, out, ldo); break;
-          default: tile<4, FOUR, G16>(t, n, a, m, out, ldo); break;
+          case 1: tile<1, 1, FOUR, G16>(t, n, a, m, out, ldo); break;
+          case 2: tile<2, 1, FOUR, G16>(t, n, a, m, out, ldo); break;
+          case 3: tile<3, 1, FOUR, G16>(t, n, a, m, out, ldo); break;
+          default: tile<4, 1, FOUR, G16>(t, n, a, m, out, ldo); break;
         }
       }
     }
