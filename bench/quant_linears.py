@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if not cpu_build.available():
         raise SystemExit("error: the C++ CPU kernels are unavailable; nothing to compare")
     if not quant_gemm.q8_available() and any(p.startswith(("int8", "q8")) for p in paths):
-        raise SystemExit("error: this CPU lacks AVX-512 VNNI; the int8-activation paths cannot run")
+        raise SystemExit("error: this CPU lacks AVX2 + FMA; the int8-activation paths cannot run")
     from bench.throughput import hf_dir_for, resolve_model
     torch.set_num_threads(args.threads)
     label, path = resolve_model(args.model)
@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     nweights = sum(w.numel() for w, _, _ in linears)
     print(f"model {label}: {len(linears)} body linears, {nweights / 1e6:.1f}M weights, format {args.format}, "
           f"threads {args.threads}, median of {args.rounds} rounds (wall), Q8_GEMM_MIN_ROWS "
-          f"{quant_gemm.Q8_GEMM_MIN_ROWS}")
+          f"{quant_gemm.Q8_GEMM_MIN_ROWS}, int8-activation path "
+          f"{quant_gemm.Q8_ISA_NAMES.get(quant_gemm.q8_best_isa(), 'none')}")
     print(cpu_features.describe())
     print(f"{'rows':>5}" + "".join(f"{p + ' ms':>14}" for p in paths) +
           "".join(f"{p + ' speedup':>16}" for p in paths if p != "fp32" and "fp32" in paths))

@@ -68,11 +68,12 @@ def kernel_paths() -> dict[str, str]:
     "portable" or "off"), "greedy_screen" (the LM head's bf16 screen: "amx", "avx512_bf16",
     "avx2" or "none"), "linear" (what prepacked linears can use: the C++ panel GEMM and/or
     MKL's packed GEMM, "panel+mkl", "panel", "mkl", else "torch"), "prefill_gemm" (products past
-    64 rows: "blocked" or "mkl", with how it was chosen and the probe's GFLOP/s)
-    and "attention" ("cpp" or "torch")."""
+    64 rows: "blocked" or "mkl", with how it was chosen and the probe's GFLOP/s),
+    "int8_activations" (the products of `activations: int8`, kernels/quant_gemm.py: "avx512_vnni",
+    "avx2" or "none": the exact fp32 product instead) and "attention" ("cpp" or "torch")."""
     import torch
 
-    from kernels import gemm_choice, lm_head
+    from kernels import gemm_choice, lm_head, quant_gemm
     built = cpu_build.available()
     lib = cpu_build.library_path() or ""
     library = ("native" if "native" in Path(lib).name else "portable") if built else "off"
@@ -86,8 +87,9 @@ def kernel_paths() -> dict[str, str]:
         prefill = gemm_choice.choice().describe()
     except ValueError as e:       # an invalid ZOOINFER_PREFILL_GEMM: say so here, the engine raises it
         prefill = f"invalid ({e})"
+    int8_act = quant_gemm.Q8_ISA_NAMES.get(quant_gemm.q8_best_isa(), "none") if built else "none"
     return {"library": library, "greedy_screen": screen, "linear": linear, "prefill_gemm": prefill,
-            "attention": "cpp" if built else "torch"}
+            "int8_activations": int8_act, "attention": "cpp" if built else "torch"}
 
 
 def summary() -> dict[str, object]:

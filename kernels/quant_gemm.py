@@ -13,11 +13,15 @@ FMA, 2 AVX-512; all are built into the one library (per-function target attribut
 run each of them here. All need the kernel library (`cpu_build.available()`).
 
 `quant_linear_q8` (kernels/cpu/quant_gemv_q8.cpp) is the decode product with x quantized to int8
-per 32-block and VNNI integer dot products (AVX-512 VNNI only, `q8_available`): not exact, within
-the bound its header states; `quantize_activations_q8` gives its int8 x for the tests.
-`quant_linear_q8_gemm` (kernels/cpu/quant_gemm_q8.cpp) computes the same formula for any number of
-rows, laid out as a GEMM (16 output columns per register, each N tile's weights unpacked once per
-block of rows); `quant_linear_int8_act` picks between the two by row count (`Q8_GEMM_MIN_ROWS`).
+per 32-block and integer dot products: not exact, within the bound its header states;
+`quantize_activations_q8` gives its int8 x for the tests. `quant_linear_q8_gemm`
+(kernels/cpu/quant_gemm_q8.cpp) computes the same formula for any number of rows, laid out as a
+GEMM (16 output columns per register, each N tile's weights unpacked once per block of rows);
+`quant_linear_int8_act` picks between the two by row count (`Q8_GEMM_MIN_ROWS`). Their `isa`:
+-1 the best this CPU has (`q8_best_isa`), 2 the AVX-512 VNNI kernels above, 1 AVX2 + FMA
+(kernels/cpu/quant_q8_avx2.cpp: vpmaddubsw, the decode op in row order, the GEMM op in GEMM order
+for 4-bit weights; the path of CPUs without VNNI, and forced by tests on VNNI CPUs). On every
+path an op's rows do not depend on the row count.
 """
 from __future__ import annotations
 
@@ -51,32 +55,46 @@ def dequantize(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
     return torch.ops.zooinfer_cpu.quant_dequantize(qs, scale, minv, bits, group, zero, k, isa, qh, scale_d, min_d)
 
 
+Q8_ISA_NAMES = {1: "avx2", 2: "avx512_vnni"}
+
+
 @functools.cache
+def q8_best_isa() -> int:
+    """The int8-activation path this CPU runs: 2 (AVX-512 F/BW/VL + VNNI), 1 (AVX2 + FMA) or 0 (none)."""
+    return int(torch.ops.zooinfer_cpu.quant_q8_best_isa())
+
+
 def q8_available() -> bool:
-    """Whether this CPU runs `quant_linear_q8` (AVX-512 F/BW/VL + VNNI)."""
-    return bool(torch.ops.zooinfer_cpu.quant_q8_available())
+    """Whether this CPU runs the int8-activation products (`q8_best_isa() > 0`: AVX2 + FMA at least)."""
+    return q8_best_isa() > 0
+
+
+def vnni_available() -> bool:
+    """Whether this CPU has the AVX-512 VNNI int8 kernels (isa 2; `quant_head_logits_q8` needs them)."""
+    return q8_best_isa() == 2
 
 
 def quant_linear_q8(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
                     bits: int, group: int, zero: int, bias: torch.Tensor | None, *,
                     qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
-                    min_d: torch.Tensor | None = None) -> torch.Tensor:
-    """`quant_linear` for at most `Q8_MAX_ROWS` rows, x rounded to int8 per 32-block first."""
-    return torch.ops.zooinfer_cpu.quant_linear_q8(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d)
+                    min_d: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
+    """`quant_linear` for at most `Q8_MAX_ROWS` rows, x rounded to int8 per 32-block first (`isa`: above)."""
+    return torch.ops.zooinfer_cpu.quant_linear_q8(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, isa)
 
 
-def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] as `quant_linear_q8` rounds it: int8 [M, K] and one fp32 scale per 32 [M, K // 32]."""
-    q, d = torch.ops.zooinfer_cpu.quantize_activations_q8(x)
+def quantize_activations_q8(x: torch.Tensor, isa: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] as `quant_linear_q8` rounds it: int8 [M, K] and one fp32 scale per 32 [M, K // 32]
+    (the same values on either `isa`)."""
+    q, d = torch.ops.zooinfer_cpu.quantize_activations_q8(x, isa)
     return q, d
 
 
 def quant_linear_q8_gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
                          bits: int, group: int, zero: int, bias: torch.Tensor | None, *,
                          qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
-                         min_d: torch.Tensor | None = None) -> torch.Tensor:
+                         min_d: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
     """`quant_linear_q8`'s product (same rounding of x, same bound) for any number of rows."""
-    return torch.ops.zooinfer_cpu.quant_linear_q8_gemm(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d)
+    return torch.ops.zooinfer_cpu.quant_linear_q8_gemm(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, isa)
 
 
 def quant_linear_int8_act(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,

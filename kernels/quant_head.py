@@ -66,8 +66,11 @@ def _rows(qw, r0: int, r1: int):
 def make_quant_screen(qw, chunk_rows: int = 16384) -> QuantHeadScreen | None:
     """The screen of a quantized head (`models.quant.QuantWeight`), or None where `quant_argmax`
     cannot run: no kernel library, no AVX-512 VNNI, or non-finite scales (no bound). Exact sums
-    of q^2 per group (int32) times the scales squared, in float64, a chunk of rows at a time."""
-    if not (cpu_build.available() and quant_gemm.q8_available()):
+    of q^2 per group (int32) times the scales squared, in float64, a chunk of rows at a time.
+    Gated on VNNI, not on the AVX2 int8-activation path (`quant_gemm.q8_available`): the 8-bit
+    heads' own kernel (`quant_head_logits_q8`, kernels/cpu/quant_head.cpp) is vpdpbusd only; AVX2
+    CPUs take the exact head product."""
+    if not (cpu_build.available() and quant_gemm.vnni_available()):
         return None
     folded = qw.bits in (5, 6)           # the int8 kernel's integer part is q - zero for these
     int_sq, mag = 0.0, 0.0

@@ -272,8 +272,9 @@ class QuantLinear(_QuantBuffers):
     gives the dequantized fp32 weight on demand, for the rare code that reads it directly.
     `activations="int8"`: every product (decode steps and prefill chunks) rounds x to int8 per
     32-block and uses integer dot products (kernels/cpu/quant_gemv_q8.cpp for a few rows,
-    quant_gemm_q8.cpp past them; AVX-512 VNNI CPUs; within the bound stated there, not exact);
-    other CPUs keep the exact fp32 product."""
+    quant_gemm_q8.cpp past them on AVX-512 VNNI CPUs, quant_q8_avx2.cpp at every row count on
+    AVX2 + FMA ones; within the bound stated there, not exact); other CPUs keep the exact fp32
+    product."""
 
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None, activations: str = "float32"):
         super().__init__()

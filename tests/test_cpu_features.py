@@ -39,6 +39,9 @@ def test_paths_are_the_ones_the_kernels_take(monkeypatch):
     assert paths["library"] == ("native" if "native" in Path(cpu_build.library_path()).name else "portable")
     assert paths["greedy_screen"] == (lm_head.screen_isa() or "none")
     assert paths["attention"] == "cpp" and paths["linear"].startswith("panel")
+    flags = set(cpu_features.cpu_flags())
+    assert paths["int8_activations"] == ("avx512_vnni" if {"avx512_vnni", "avx512bw"} <= flags else
+                                         "avx2" if {"avx2", "fma"} <= flags else "none")
     if "avx512_bf16" in cpu_features.cpu_flags() and "amx_bf16" not in cpu_features.cpu_flags():
         assert paths["greedy_screen"] == "avx512_bf16"    # the Zen 4 / Cooper Lake path
     for isa in lm_head.usable_screen_isas():
@@ -50,13 +53,15 @@ def test_paths_are_the_ones_the_kernels_take(monkeypatch):
     monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "0")
     paths = cpu_features.kernel_paths()
     assert (paths["library"], paths["greedy_screen"], paths["attention"]) == ("off", "none", "torch")
+    assert paths["int8_activations"] == "none"        # no library: the exact fp32 product in torch
     assert "panel" not in paths["linear"]
 
 
 def test_summary_carries_model_flags_and_paths():
     s = cpu_features.summary()
     assert s["cpu_model"] == cpu_features.cpu_model() and s["cpu_flags"] == cpu_features.cpu_flags()
-    assert set(s["kernel_paths"]) == {"library", "greedy_screen", "linear", "prefill_gemm", "attention"}
+    assert set(s["kernel_paths"]) == {"library", "greedy_screen", "linear", "prefill_gemm", "int8_activations",
+                                      "attention"}
 
 
 def test_engine_logs_the_report_once(tiny_hf, monkeypatch, caplog):

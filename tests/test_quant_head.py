@@ -17,7 +17,7 @@ def _ready() -> bool:
     if not cpu_build.available():
         return False
     from kernels import quant_gemm
-    return quant_gemm.q8_available()
+    return quant_gemm.vnni_available()     # the screen is VNNI-only (kernels/quant_head.py make_quant_screen)
 
 
 pytestmark = pytest.mark.skipif(not _ready(), reason="needs the kernel library and an AVX-512 VNNI CPU")

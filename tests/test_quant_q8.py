@@ -2,7 +2,10 @@
 exactly its stated formula (x rounded to int8 per 32-block in the integer part, exact fp32 group
 sums in the min / zero part) to fp32 rounding, and so stays within the stated bound of
 dequantize-then-matmul, on every weight format, K tails, odd N, group sizes that are not 32,
-and every register tile of rows (the module's choice of kernel: tests/test_quant_q8_gemm.py)."""
+and every register tile of rows (the module's choice of kernel: tests/test_quant_q8_gemm.py); on
+each instruction path the CPU has (AVX2 + FMA everywhere, AVX-512 VNNI where present): x rounds
+bit for bit as a torch reference does on both, and the AVX2 kernel's rows do not depend on the
+row count (one kernel behind the decode and the GEMM op)."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +24,18 @@ def _q8_ready() -> bool:
     return quant_gemm.q8_available()
 
 
-needs_q8 = pytest.mark.skipif(not _q8_ready(), reason="needs the kernel library and an AVX-512 VNNI CPU")
+needs_q8 = pytest.mark.skipif(not _q8_ready(), reason="needs the kernel library and an AVX2 + FMA CPU")
+
+
+def _isas() -> list[int]:
+    """The int8-activation paths to test here: AVX2 (1) always, VNNI (2) where the CPU has it."""
+    if not _q8_ready():
+        return [1]
+    from kernels import quant_gemm
+    return [1, 2] if quant_gemm.vnni_available() else [1]
+
+
+ISAS = _isas()
 
 
 def _extra_weights():
@@ -57,8 +71,9 @@ def _emulate(x: torch.Tensor, qw: QuantWeight, xq: torch.Tensor, d: torch.Tensor
 
 
 @needs_q8
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: {1: "avx2", 2: "vnni"}[i])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_q8_kernel_is_its_formula_and_within_the_bound(case):
+def test_q8_kernel_is_its_formula_and_within_the_bound(case, isa):
     from kernels import quant_gemm
     _, qw, w = case
     g = torch.Generator().manual_seed(12)
@@ -69,8 +84,8 @@ def test_q8_kernel_is_its_formula_and_within_the_bound(case):
         x[0, :7] = 0.0                          # a zero stretch (an all-zero block when K is small)
         xp = F.pad(x, (0, qw.k_pad - qw.k))
         got = quant_gemm.quant_linear_q8(xp, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None,
-                                         **qw.storage)
-        xq, d = quant_gemm.quantize_activations_q8(xp)
+                                         **qw.storage, isa=isa)
+        xq, d = quant_gemm.quantize_activations_q8(xp, isa)
         dk = d.repeat_interleave(32, dim=1)[:, :qw.k]
         xhat = xq.float()[:, :qw.k] * dk
         assert (xq.abs() <= 127).all()
@@ -85,12 +100,85 @@ def test_q8_kernel_is_its_formula_and_within_the_bound(case):
 
 
 @needs_q8
-def test_q8_kernel_refuses_prefill_sized_inputs():
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: {1: "avx2", 2: "vnni"}[i])
+def test_q8_kernel_refuses_prefill_sized_inputs(isa):
     from kernels import quant_gemm
     _, qw, _ = WEIGHTS[1]
     with pytest.raises(RuntimeError, match="at most 16 rows"):
         quant_gemm.quant_linear_q8(torch.randn(17, qw.k_pad), qw.qs, qw.scale, qw.min, qw.bits, qw.group,
-                                   qw.zero, None)
+                                   qw.zero, None, isa=isa)
+
+
+@needs_q8
+@pytest.mark.parametrize("isa", ISAS, ids=lambda i: {1: "avx2", 2: "vnni"}[i])
+def test_activations_round_as_the_torch_reference_bit_for_bit(isa):
+    """d = max|x| / 127 per 32-block, xq = round-half-even(x * (127 / max|x|)) in fp32 (0 for an
+    all-zero block): the kernels' rounding, identical on the AVX2 and the AVX-512 code."""
+    from kernels import quant_gemm
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(7, 320, generator=g) * torch.rand(7, 1, generator=g).pow(4) * 50
+    x[2, 32:64] = 0.0                                    # an all-zero block
+    x[3, 96:128] = torch.linspace(-1e-30, 1e-30, 32)     # a block whose max is tiny
+    x[4, 64:96] = torch.arange(32) - 15.5                # max 127: scale 1, exact halves round to even
+    x[4, 64] = 127.0
+    amax = x.view(7, -1, 32).abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    want_q = torch.round(x.view(7, -1, 32) * inv).clamp(-128, 127).to(torch.int8).view(7, 320)
+    xq, d = quant_gemm.quantize_activations_q8(x, isa)
+    assert torch.equal(xq, want_q)
+    assert torch.equal(d, (amax / 127.0).view(7, -1))
+    if isa == 2:
+        assert all(torch.equal(a, b) for a, b in zip((xq, d), quant_gemm.quantize_activations_q8(x, 1)))
+
+
+@needs_q8
+def test_avx2_rows_do_not_depend_on_the_row_count_nor_the_threads():
+    """On AVX2 every output of either op is one fp32 chain over its blocks, whatever the register
+    tile (1-4 rows), block of rows (64 in row order, 128 in GEMM order) or thread: a row's result
+    is bit-identical alone, in any batch and at 1 or 2 threads; on 8-bit weights both ops run the
+    row-order kernel (the same values), on 4-bit ones the GEMM op its GEMM-ordered kernel."""
+    from kernels import quant_gemm
+    g = torch.Generator().manual_seed(14)
+    n = torch.get_num_threads()
+    for name in ("Q4_1", "Q6_K", "int4_asym-33x100", "int8-g96-21x192", "int4-g128-19x384"):
+        qw = next(c[1] for c in CASES if c[0] == name)
+        x = torch.randn(300, qw.k_pad, generator=g)
+        args = (qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)
+        gemm = (lambda xs: quant_gemm.quant_linear_q8_gemm(xs, *args, **qw.storage, isa=1))
+        dec = (lambda xs: quant_gemm.quant_linear_q8(xs, *args, **qw.storage, isa=1))
+        try:
+            torch.set_num_threads(1)
+            one = gemm(x)
+            torch.set_num_threads(2)
+            two = gemm(x)
+        finally:
+            torch.set_num_threads(n)
+        assert torch.equal(one, two), name
+        ref = torch.cat([dec(x[i:i + 16]) for i in range(0, 48, 16)])     # the decode op on the first 48 rows
+        for rows in (slice(0, 1), slice(3, 5), slice(5, 12), slice(60, 76), slice(120, 150), slice(130, 300),
+                     [3, 140, 77]):
+            assert torch.equal(gemm(x[rows]), one[rows]), (name, rows)
+            sub = x[rows][:16]
+            idx = torch.arange(300)[rows][:16]
+            if (idx < 48).all():
+                assert torch.equal(dec(sub), ref[idx]), (name, rows)
+        if qw.bits != 4:                         # 4-bit: another kernel (GEMM order), another fp32 order
+            assert torch.equal(ref, one[:48]), name
+
+
+@needs_q8
+def test_isa_argument_errors_are_one_line():
+    from kernels import quant_gemm
+    _, qw, _ = WEIGHTS[1]
+    x = torch.randn(2, qw.k_pad)
+    args = (qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)
+    for op in (quant_gemm.quant_linear_q8, quant_gemm.quant_linear_q8_gemm):
+        with pytest.raises(RuntimeError, match=r"isa must be -1 \(best\), 1 \(AVX2\) or 2 \(AVX-512 VNNI\), got 0"):
+            op(x, *args, isa=0)
+        if not quant_gemm.vnni_available():
+            with pytest.raises(RuntimeError, match=r"isa 2 needs AVX-512 VNNI, which this CPU lacks"):
+                op(x, *args, isa=2)
+    assert quant_gemm.q8_best_isa() == (2 if quant_gemm.vnni_available() else 1)
 
 
 def test_activations_errors_name_the_field():

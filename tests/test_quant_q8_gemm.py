@@ -13,24 +13,26 @@ import torch.nn.functional as F
 
 from models.quant import QuantLinear
 from tests.test_quant import WEIGHTS, _bound, gguf_weight
-from tests.test_quant_q8 import CASES, _emulate, _int_part, needs_q8
+from tests.test_quant_q8 import CASES, ISAS, _emulate, _int_part, needs_q8
+
+ISA_IDS = (lambda i: {1: "avx2", 2: "vnni"}[i])
 
 
-def _gemm(x: torch.Tensor, qw, bias=None) -> torch.Tensor:
+def _gemm(x: torch.Tensor, qw, bias=None, isa: int = -1) -> torch.Tensor:
     from kernels import quant_gemm
     return quant_gemm.quant_linear_q8_gemm(F.pad(x, (0, qw.k_pad - qw.k)), qw.qs, qw.scale, qw.min, qw.bits,
-                                           qw.group, qw.zero, bias, **qw.storage)
+                                           qw.group, qw.zero, bias, **qw.storage, isa=isa)
 
 
-def _check(qw, w, rows: int, g: torch.Generator) -> torch.Tensor:
+def _check(qw, w, rows: int, g: torch.Generator, isa: int = -1) -> torch.Tensor:
     """The GEMM kernel on `rows` random rows: equal to its formula to fp32 rounding and within the
     bound of dequantize-then-matmul (tests/test_quant_q8.py's, the decode kernel's); its output."""
     from kernels import quant_gemm
     sq = (qw.float_scales()[0].repeat_interleave(qw.group, dim=1)[:, :qw.k] * _int_part(qw)[0]).abs()
     x = torch.randn(rows, qw.k, generator=g) * torch.rand(rows, 1, generator=g) * 4
     x[0, :7] = 0.0                               # a zero stretch (an all-zero block when K is small)
-    got = _gemm(x, qw)
-    xq, d = quant_gemm.quantize_activations_q8(F.pad(x, (0, qw.k_pad - qw.k)))
+    got = _gemm(x, qw, isa=isa)
+    xq, d = quant_gemm.quantize_activations_q8(F.pad(x, (0, qw.k_pad - qw.k)), isa)
     dk = d.repeat_interleave(32, dim=1)[:, :qw.k]
     xhat = xq.float()[:, :qw.k] * dk
     fp32 = _bound(torch.maximum(x.abs(), xhat.abs()), qw)
@@ -45,32 +47,35 @@ def _check(qw, w, rows: int, g: torch.Generator) -> torch.Tensor:
 
 
 @needs_q8
+@pytest.mark.parametrize("isa", ISAS, ids=ISA_IDS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_gemm_kernel_is_its_formula_and_within_the_bound(case):
+def test_gemm_kernel_is_its_formula_and_within_the_bound(case, isa):
     _, qw, w = case
     g = torch.Generator().manual_seed(21)
     for rows in (1, 2, 3, 7, 8, 9, 17, 133):    # register tiles (1-8 rows), tails, a 128-row block and more
-        _check(qw, w, rows, g)
+        _check(qw, w, rows, g, isa)             # (AVX2: tiles of 1-4 rows, blocks of 64)
 
 
 @needs_q8
+@pytest.mark.parametrize("isa", ISAS, ids=ISA_IDS)
 @pytest.mark.parametrize("fmt", ["Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_K"])
-def test_gemm_on_packed_storage_over_several_row_tiles(fmt):
+def test_gemm_on_packed_storage_over_several_row_tiles(fmt, isa):
     """130 weight rows: three 64-row tiles of expanded storage (planes, super-scales), each split
     in column tiles of 16 and a tail; the storage changes bytes only (identical to the weight
     widened to int8 with fp32 scales, except 4-bit Q4_K, which then takes the 8-bit path)."""
     qw, w = gguf_weight(fmt, 130, 512, seed=26)
     g = torch.Generator().manual_seed(27)
-    got = _check(qw, w, 40, g)
+    got = _check(qw, w, 40, g, isa)
     if qw.bits != 4:
         wide = qw.to_8bit().with_float_scales()
         x = torch.randn(40, qw.k, generator=torch.Generator().manual_seed(28))
-        assert torch.equal(_gemm(x, qw), _gemm(x, wide))
+        assert torch.equal(_gemm(x, qw, isa=isa), _gemm(x, wide, isa=isa))
     assert got.abs().max() > 0
 
 
 @needs_q8
-def test_gemm_rows_do_not_depend_on_the_batch_nor_the_threads():
+@pytest.mark.parametrize("isa", ISAS, ids=ISA_IDS)
+def test_gemm_rows_do_not_depend_on_the_batch_nor_the_threads(isa):
     """Each output is one chain of the same operations whatever the register tile, block of rows
     or thread that computes it: a row's result is bit-identical alone, inside any batch, and at 1
     or 2 threads (threads split the columns)."""
@@ -81,31 +86,33 @@ def test_gemm_rows_do_not_depend_on_the_batch_nor_the_threads():
         x = torch.randn(150, qw.k, generator=g)
         try:
             torch.set_num_threads(1)
-            one = _gemm(x, qw)
+            one = _gemm(x, qw, isa=isa)
             torch.set_num_threads(2)
-            two = _gemm(x, qw)
+            two = _gemm(x, qw, isa=isa)
         finally:
             torch.set_num_threads(n)
         assert torch.equal(one, two), name
         for rows in (slice(0, 1), slice(5, 12), slice(120, 150), [3, 140, 77]):
-            assert torch.equal(_gemm(x[rows], qw), one[rows]), (name, rows)
+            assert torch.equal(_gemm(x[rows], qw, isa=isa), one[rows]), (name, rows)
 
 
 @needs_q8
-def test_gemm_bias_and_errors():
+@pytest.mark.parametrize("isa", ISAS, ids=ISA_IDS)
+def test_gemm_bias_and_errors(isa):
     from kernels import quant_gemm
     _, qw, _ = WEIGHTS[1]                        # Q4_1
     g = torch.Generator().manual_seed(23)
     x, bias = torch.randn(20, qw.k, generator=g), torch.randn(qw.n, generator=g)
-    assert torch.equal(_gemm(x, qw, bias), _gemm(x, qw) + bias)
-    assert _gemm(x[:0], qw).shape == (0, qw.n)
+    assert torch.equal(_gemm(x, qw, bias, isa), _gemm(x, qw, isa=isa) + bias)
+    assert _gemm(x[:0], qw, isa=isa).shape == (0, qw.n)
     with pytest.raises(RuntimeError, match="bias must have 37 elements, got 5"):
-        _gemm(x, qw, torch.zeros(5))
+        _gemm(x, qw, torch.zeros(5), isa)
     with pytest.raises(RuntimeError, match="x must be a 2-D float32 CPU tensor"):
-        quant_gemm.quant_linear_q8_gemm(x.double(), qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)
+        quant_gemm.quant_linear_q8_gemm(x.double(), qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None,
+                                        isa=isa)
     with pytest.raises(RuntimeError, match="must divide K=100"):     # K not padded to the weight's
         quant_gemm.quant_linear_q8_gemm(torch.randn(20, 100), qw.qs, qw.scale, qw.min, qw.bits, qw.group,
-                                        qw.zero, None)
+                                        qw.zero, None, isa=isa)
 
 
 @needs_q8

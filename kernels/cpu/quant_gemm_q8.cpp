@@ -25,7 +25,9 @@
 // sum_k x_k w_k = sum_u s_u dx_u sum_{k in u} q_k xq_k + sum_g (min_g - zero s_g) xsum_g, the integer
 // sums exact, each output one fp32 chain over units in k order; |result - x @ dequantize(W)^T| <=
 // sum_b |s| (dx_b / 2) sum_{k in b} |q_k| + fp32 rounding. Not bit-identical to the decode kernel
-// (other fp32 order). Needs AVX-512 F/BW/VL + VNNI, as the decode kernel.
+// (other fp32 order). Needs AVX-512 F/BW/VL + VNNI, as the decode kernel (isa 2); on isa 1 (AVX2 +
+// FMA: no VNNI, or forced by the `isa` argument) the op runs quant_q8_avx2.cpp's kernels instead
+// (GEMM order for 4-bit weights; for 8-bit ones the decode op's row order).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -173,23 +175,21 @@ ZI_VNNI void rows_block(const uint8_t* wt, const float* su, const float* off, in
   }
 }
 
-bool vnni_available() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
-
 at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                                 const c10::optional<at::Tensor>& minv, int64_t bits, int64_t group, int64_t zero,
                                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& qh,
-                                const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d) {
-  TORCH_CHECK(vnni_available(), "quant_linear_q8_gemm: this CPU lacks AVX-512 VNNI");
+                                const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d,
+                                int64_t isa) {
+  const int64_t path = q8_pick_isa(isa, "quant_linear_q8_gemm");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_q8_gemm: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1), qh, scale_d, minv_d);
   const int64_t M = x.size(0), N = w.n, K = w.k, G = w.group;
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M > 0 && N > 0) {
+  if (M > 0 && N > 0 && path == 1) {
+    const at::Tensor xc = x.contiguous();
+    q8_linear_avx2(w, xc.data_ptr<float>(), M, out.data_ptr<float>(), N, true);   // quant_q8_avx2.cpp
+  } else if (M > 0 && N > 0) {
     const at::Tensor xc = x.contiguous();
     const float* xp = xc.data_ptr<float>();
     const int64_t U = G % 32 == 0 ? 32 : 16;          // G is a multiple of 16 (make_qw)
@@ -239,6 +239,6 @@ at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("quant_linear_q8_gemm(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, "
-        "Tensor? bias, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
+        "Tensor? bias, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None, int isa=-1) -> Tensor");
   m.impl("quant_linear_q8_gemm", c10::DispatchKey::CPU, TORCH_FN(quant_linear_q8_gemm));
 }

@@ -21,8 +21,10 @@
 //   int32 lane i of the dot product then belongs to block i / 4.
 //   8-bit: natural order, 64 weights per chunk, lane i = weights 4i..4i+3 (block i / 8). Signed
 //   weights: |w| as the unsigned operand and x negated where w < 0 (vpdpbusd is unsigned x signed).
-// Needs AVX-512 F/BW/VL + VNNI (`quant_q8_available`); the Python side falls back to the exact
-// kernels elsewhere.
+// This kernel needs AVX-512 F/BW/VL + VNNI (isa 2); elsewhere (isa 1: AVX2 + FMA, or forced by
+// the `isa` argument) the op runs quant_q8_avx2.cpp's row-order kernel, the same formula and
+// bound, whose results do not depend on the row count. `quant_q8_available`: either path; without AVX2 + FMA
+// the Python side falls back to the exact kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -135,17 +137,12 @@ ZI_VNNI void rows_q8(const QW& w, const XQ& xq, int64_t M, const float* xsum, fl
   for_each_tile(w, M, n0, n1, [&](auto r, int64_t n, int64_t m0) { tile<decltype(r)::value>(w, n, xq, m0, xsum, out, ldo); });
 }
 
-bool q8_available() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
-
 at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                            const c10::optional<at::Tensor>& minv, int64_t bits, int64_t group, int64_t zero,
                            const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& qh,
-                           const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d) {
-  TORCH_CHECK(q8_available(), "quant_linear_q8: this CPU lacks AVX-512 VNNI");
+                           const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d,
+                           int64_t isa) {
+  const int64_t path = q8_pick_isa(isa, "quant_linear_q8");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_q8: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(x.size(0) <= DECODE_ROWS, "quant_linear_q8: at most ", DECODE_ROWS, " rows (decode), got ", x.size(0));
@@ -155,13 +152,17 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::
   if (M > 0 && N > 0) {
     const at::Tensor xc = x.contiguous();
     const float* xp = xc.data_ptr<float>();
-    const XQ xq = quantize_x(xp, w.k, M, w.k, bits == 4);
-    const std::vector<float> xsum = group_sums(w, xp, w.k, M);
-    const float* xs = xsum.empty() ? nullptr : xsum.data();
     float* op = out.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for_row_tiles(w, 2, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); });
-    });
+    if (path == 1) {
+      q8_linear_avx2(w, xp, M, op, N, false);     // quant_q8_avx2.cpp, row order
+    } else {
+      const XQ xq = quantize_x(xp, w.k, M, w.k, bits == 4);
+      const std::vector<float> xsum = group_sums(w, xp, w.k, M);
+      const float* xs = xsum.empty() ? nullptr : xsum.data();
+      at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+        for_row_tiles(w, 2, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); });
+      });
+    }
   }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "quant_linear_q8: bias must have ", N, " elements, got ", bias->numel());
@@ -172,13 +173,13 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::
 
 // xq and its block scales as the kernel computes them (for the tests' exact emulation): int8 [M, K]
 // in natural order and float32 [M, K / 32].
-std::vector<at::Tensor> quantize_activations_q8(const at::Tensor& x) {
-  TORCH_CHECK(q8_available(), "quantize_activations_q8: this CPU lacks AVX-512 VNNI");
+std::vector<at::Tensor> quantize_activations_q8(const at::Tensor& x, int64_t isa) {
+  const int64_t path = q8_pick_isa(isa, "quantize_activations_q8");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
               "quantize_activations_q8: x must be float32 [M, K] with K a multiple of 32, got ", x.sizes());
   const at::Tensor xc = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  const XQ xq = quantize_x(xc.data_ptr<float>(), K, M, K, false);
+  const XQ xq = quantize_x(xc.data_ptr<float>(), K, M, K, false, path);
   at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar)), d = at::empty({M, K / 32}, x.options());
   for (int64_t m = 0; m < M; ++m) {
     std::copy_n(xq.q.data() + m * xq.ldq, K, q.data_ptr<int8_t>() + m * K);
@@ -191,9 +192,10 @@ std::vector<at::Tensor> quantize_activations_q8(const at::Tensor& x) {
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
   m.def("quant_linear_q8(Tensor x, Tensor qs, Tensor scale, Tensor? minv, int bits, int group, int zero, "
-        "Tensor? bias, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None) -> Tensor");
+        "Tensor? bias, Tensor? qh=None, Tensor? scale_d=None, Tensor? minv_d=None, int isa=-1) -> Tensor");
   m.impl("quant_linear_q8", c10::DispatchKey::CPU, TORCH_FN(quant_linear_q8));
-  m.def("quantize_activations_q8(Tensor x) -> Tensor[]");
+  m.def("quantize_activations_q8(Tensor x, int isa=-1) -> Tensor[]");
   m.impl("quantize_activations_q8", c10::DispatchKey::CPU, TORCH_FN(quantize_activations_q8));
   m.def("quant_q8_available() -> bool", TORCH_FN(q8_available));
+  m.def("quant_q8_best_isa() -> int", TORCH_FN(q8_best_isa));
 }
