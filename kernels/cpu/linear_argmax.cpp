@@ -46,7 +46,6 @@ constexpr int MAX_MV = VW == 16 ? 4 : 1;    // 64 / 16 tokens per pass
 template <int MV>
 constexpr int lanes_vectors() { return static_cast<int>(16 * MV / VW); }
 constexpr int MAX_L = 16 * MAX_MV / VW;
-typedef int32_t vireg __attribute__((vector_size(VW * 4)));
 
 // The running winner of each token lane: value and vocab index.
 struct Best {

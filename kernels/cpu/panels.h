@@ -37,6 +37,7 @@ constexpr int64_t VW = 8;
 constexpr int64_t TC = 2 * VW;           // columns of one register tile
 constexpr int64_t COL_TILES = NR / TC;   // register tiles across a panel: 1 (AVX-512) or 2
 typedef float vreg __attribute__((vector_size(VW * 4)));
+typedef int32_t vireg __attribute__((vector_size(VW * 4)));   // its comparison masks and lane indices
 
 inline vreg vload(const float* p) {
   vreg v;
