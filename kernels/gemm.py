@@ -36,8 +36,9 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
 def panel_linear_blocked(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """`panel_linear` laid out for many rows (prefill chunks, kernels/cpu/panel_gemm_blocked.cpp):
     x packed into 14-row tiles (6 rows and two half-panel passes without AVX-512), the partial
-    sums kept in registers over 256-step k blocks, the rows split between threads. Same panels, same result to fp32 rounding; `kernels.gemm_choice`
-    decides from how many rows it runs, by measuring it against MKL at start-up."""
+    sums kept in registers over 256-step k blocks, the rows split between threads. Same panels,
+    same result to fp32 rounding; `kernels.gemm_choice` decides from how many rows it runs, by
+    measuring it against MKL at start-up."""
     return torch.ops.zooinfer_cpu.panel_linear_blocked.default(x, panels, n, bias)
 
 
