@@ -1,7 +1,7 @@
 """Per-layer CPU attention: the C++ kernels vs the torch paths they replace.
 
     python -m bench.cpu_attention [--decodes 64,256] [--threads 1,2] [--reps 15]
-        [--heads 8] [--kv-heads 8] [--head-dim 32] [--ctx 190] [--window W]
+        [--heads 8] [--kv-heads 8] [--head-dim 32] [--ctx 190] [--window W] [--layers 30]
     python -m bench.cpu_attention --prefill [--threads 1,2] [--reps 15] [--window W]
 
 The batch is what the tiny Llama of `bench.throughput` sees in steady decode: N requests of
@@ -11,6 +11,9 @@ shared and noisy), medians printed with ratios to the kernel:
 - kernel: `paged_attention.paged_decode` (kernels/cpu/paged_decode.cpp);
 - sparse: the torch backend's `sampled_addmm` + softmax + `embedding_bag` decode path;
 - padded: page gather + padded SDPA (`_make_part` planned once, as the backend does).
+One layer's cache of this batch fits a server's last-level cache, which a model's 30 layers do
+not: the kernel is also timed over `--layers` copies of the cache, called in turn as the layers of
+a step call it, so its K/V stream from DRAM (`kernel over N layer caches`, GB/s of K/V read).
 Per-step planning is shown apart (`plan`: once per step per KV group, shared by layers):
 the sparse path also builds its CSR pattern once per step (`pattern`).
 The K/V write of `forward` is the same for every path and left out.
@@ -103,10 +106,22 @@ def run(n, threads, args):
     pattern = _median_ms(lambda: _decode_pattern(d, args.heads, args.kv_heads, 16, cache.view(-1, args.head_dim).shape[0],
                                                  cpu), args.reps)
     kv_mb = float(seq_lens.sum()) * 2 * args.kv_heads * args.head_dim * 4 / 1e6
+    dram = ""
+    if args.layers > 1:   # one cache per layer, as in a model: the K/V stream from DRAM, not the LLC
+        caches = [cache.clone() for _ in range(args.layers)]
+        out = outs["kernel"]
+
+        def all_layers():
+            for c in caches:
+                paged_attention.paged_decode(q, c, table, rows, meta.decodes.token_index, seq_lens, window, scale, out)
+        all_layers()
+        per_layer = statistics.median(_median_ms(all_layers, 1) for _ in range(max(args.reps // 3, 3))) / args.layers
+        dram = f" | kernel over {args.layers} layer caches {per_layer:7.3f} ms/layer ({kv_mb / per_layer:5.1f} GB/s)"
+        del caches
     print(f"{n:>5} {threads:>3} | kernel {ms['kernel']:7.3f} ms ({kv_mb / ms['kernel']:5.1f} GB/s) | "
           f"sparse {ms['sparse']:7.3f} ({ms['sparse'] / ms['kernel']:5.2f}x) | "
           f"padded {ms['padded']:7.3f} ({ms['padded'] / ms['kernel']:5.2f}x) | "
-          f"plan/step {plan_kernel:.3f} vs {plan_sparse:.3f} + pattern {pattern:.3f}")
+          f"plan/step {plan_kernel:.3f} vs {plan_sparse:.3f} + pattern {pattern:.3f}{dram}")
 
 
 def make_prefill_batch(heads, kv_heads, dim, q_lens, prefix, window, bs=16, seed=0):
@@ -176,6 +191,8 @@ def main():
     ap.add_argument("--head-dim", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=190)
     ap.add_argument("--window", type=int, default=None)
+    ap.add_argument("--layers", type=int, default=30,
+                    help="also time the kernel over this many layer caches in turn (1: off)")
     ap.add_argument("--prefill", action="store_true", help="time the prefill path (shapes fixed, see above)")
     args = ap.parse_args()
     t0 = time.perf_counter()
