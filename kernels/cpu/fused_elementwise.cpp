@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "panels.h"
 #include "vec_exp.h"
 
 #include <algorithm>
@@ -55,21 +56,10 @@ inline int64_t grain(int64_t out_per_row) { return std::max<int64_t>(1, kGrain /
 // vectors and selects through masks, which GCC lowers lane by lane (scalar code) for a vector
 // type wider than the target's registers; a 16-float vector on an AVX2-only CPU ran act_mul
 // at ~6-7 ns per element. Every step of act_mul is per element, so the width changes no result.
-#if defined(__AVX512F__)
-constexpr int64_t NW = 16;
-#else
-constexpr int64_t NW = 8;
-#endif
-typedef float nvf __attribute__((vector_size(NW * 4)));
-typedef int32_t nvi __attribute__((vector_size(NW * 4)));
-inline nvf nload(const float* p) {
-  nvf v;
-  __builtin_memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void nstore(float* p, nvf v) { __builtin_memcpy(p, &v, sizeof v); }
-inline nvf nsplat(float x) { return x - nvf{}; }
-inline nvf vexp(nvf x) { return zooinfer_vec::exp<nvf, nvi>(x); }   // see vec_exp.h
+using zooinfer_panels::VW;   // panels.h: the build's native vector width and its helpers
+using nvf = zooinfer_panels::vreg;
+using zooinfer_panels::vload, zooinfer_panels::vstore, zooinfer_panels::vsplat;
+inline nvf vexp(nvf x) { return zooinfer_vec::exp<nvf, zooinfer_panels::vireg>(x); }   // see vec_exp.h
 
 // A tensor of up to 3 dims seen as rows of its last dim: row i = (i / n1, i % n1).
 struct Rows {
@@ -199,24 +189,24 @@ at::Tensor act_mul(const at::Tensor& gate_up_in, int64_t kind) {
       float* __restrict o = op + t * I;
       int64_t i = 0;
       if (kind == 0) {
-        for (; i + NW <= I; i += NW) {
-          const nvf x = nload(g + i);
-          nstore(o + i, x / (nsplat(1.f) + vexp(-x)) * nload(u + i));
+        for (; i + VW <= I; i += VW) {
+          const nvf x = vload(g + i);
+          vstore(o + i, x / (vsplat(1.f) + vexp(-x)) * vload(u + i));
         }
       } else {
-        for (; i + NW <= I; i += NW) {
-          const nvf x = nload(g + i);
-          const nvf y = nsplat(beta) * (x + nsplat(kappa) * (x * x * x));
-          nstore(o + i, x / (nsplat(1.f) + vexp(nsplat(-2.f) * y)) * nload(u + i));
+        for (; i + VW <= I; i += VW) {
+          const nvf x = vload(g + i);
+          const nvf y = vsplat(beta) * (x + vsplat(kappa) * (x * x * x));
+          vstore(o + i, x / (vsplat(1.f) + vexp(vsplat(-2.f) * y)) * vload(u + i));
         }
       }
       if (i < I) {   // tail: through a zero-padded vector, so it uses the same exp
-        float gb[NW] = {0.f}, ub[NW] = {0.f}, ob[NW];
+        float gb[VW] = {0.f}, ub[VW] = {0.f}, ob[VW];
         std::copy(g + i, g + I, gb);
         std::copy(u + i, u + I, ub);
-        const nvf x = nload(gb);
-        const nvf y = kind == 0 ? -x : nsplat(-2.f) * (nsplat(beta) * (x + nsplat(kappa) * (x * x * x)));
-        nstore(ob, x / (nsplat(1.f) + vexp(y)) * nload(ub));
+        const nvf x = vload(gb);
+        const nvf y = kind == 0 ? -x : vsplat(-2.f) * (vsplat(beta) * (x + vsplat(kappa) * (x * x * x)));
+        vstore(ob, x / (vsplat(1.f) + vexp(y)) * vload(ub));
         std::copy(ob, ob + (I - i), o + i);
       }
     }
