@@ -13,7 +13,8 @@ import pytest
 
 from bench.peers import HERE
 from bench.peers.client import PeerError, PeerProcess
-from bench.peers.compare import _attended_keys, agreement, gemm_shapes, paired_speedup, summarize, workload_flops
+from bench.peers.compare import (_attended_keys, agreement, gemm_shapes, measure_gemm_rate, paired_speedup, summarize,
+                                 workload_flops)
 
 LLAMA = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=1000)
@@ -66,6 +67,29 @@ def test_workload_flops_sliding_layers_and_head_dim():
 def test_gemm_shapes_follow_config():
     assert gemm_shapes(LLAMA, 2048, 64) == [(2048, 64, 160), (2048, 160, 64), (2048, 64, 64),
                                            (64, 64, 160), (64, 64, 1000)]
+
+
+def test_gemm_peak_is_the_best_of_torch_mm_and_our_kernels():
+    """The peak behind "% of peak" counts our own panel kernels (MKL runs AVX2 code on AMD, so
+    torch.mm alone put engines above 100%), and the kernels it times compute that very product."""
+    import torch
+    from kernels import cpu_build, gemm
+    shapes = [(48, 64, 96), (8, 64, 96)]
+    rate = measure_gemm_rate(shapes, seconds_per_shape=0.01)
+    assert set(rate["per_shape_gflops"]) == {"48x64x96", "8x64x96"}
+    if not cpu_build.available():
+        assert rate["ours_per_shape_gflops"] == {} and rate["peak_kernel"] == "torch.mm"
+        pytest.skip("the C++ CPU kernels are unavailable: torch.mm alone")
+    assert set(rate["ours_per_shape_gflops"]) == set(rate["per_shape_gflops"])
+    everything = [*rate["per_shape_gflops"].values(), *rate["ours_per_shape_gflops"].values()]
+    assert rate["peak_gflops"] == max(everything) > 0
+    best_mm, best_ours = max(rate["per_shape_gflops"].values()), max(rate["ours_per_shape_gflops"].values())
+    assert rate["peak_kernel"] == ("ours" if best_ours > best_mm else "torch.mm")
+    a, b = torch.randn(48, 64), torch.randn(64, 96)
+    panels = gemm.pack_panels(b.t().contiguous())
+    with torch.no_grad():
+        for kernel, rows in ((gemm.panel_linear_blocked, a), (gemm.panel_linear, a[:8])):
+            torch.testing.assert_close(kernel(rows, panels, 96, None), rows @ b, rtol=1e-4, atol=1e-4)
 
 
 def test_agreement_counts_and_prefixes():
