@@ -26,7 +26,9 @@ tokens. Prints each run and, per target, the median over rounds of output tok/s,
 TPOT p50, with the ratios to vLLM paired by round, and the CPU milliseconds per output token
 the server's process tree spent during the client's run, split into the engine thread, the
 asyncio (main) thread and the rest (OpenMP workers, vLLM's engine-core process...): CPU time,
-unlike wall time, barely moves when other jobs share the machine.
+unlike wall time, barely moves when other jobs share the machine. Each run also gives the cores
+the server, the client and nobody used over the client's timed run (sampled from /proc every
+0.25 s): a server short of its offline rate with idle cores is waiting on itself.
 """
 from __future__ import annotations
 
@@ -48,6 +50,7 @@ from bench.peers import HERE as PEERS_DIR, is_installed, venv_python
 from bench.serve_offline import cpu_delta, thread_cpu_seconds
 from kernels import cpu_features
 
+SAMPLE_S = 0.25     # seconds between samples of the cores each side uses while the client runs
 REPO = Path(__file__).resolve().parent.parent
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms", "median_itl_ms", "mean_ttft_ms", "completed")
 TARGETS = ("ours", "ours-quant", "base", "vllm", "offline")
@@ -143,7 +146,7 @@ def run_offline(args, rnd: int, workdir: Path) -> dict:
     if rc != 0:
         raise RuntimeError(f"bench.serve_offline failed (rc {rc}); log: {log.name}")
     out = json.loads(result.read_text())
-    return {"target": "offline", "round": rnd, "ready_s": 0.0, "median_itl_ms": out["median_tpot_ms"],
+    return {"target": "offline", "round": rnd, "ready_s": 0.0, "median_itl_ms": out["median_tpot_ms"], "cores": {},
             **{k: out.get(k) for k in METRICS if k in out}, "cpu": cpu_split(out["thread_cpu"], out["completed"]
                                                                               * args.output_len)}
 
@@ -172,8 +175,13 @@ def run_one(target: str, args, rnd: int, workdir: Path) -> dict:
         client_log = workdir / f"{target}-{rnd}.client.log"
         cpu0 = thread_cpu_seconds(server.proc.pid)
         with open(client_log, "w") as log:
-            rc = subprocess.run(client_command(args, port, args.seed + rnd, result), env=server_env(args.threads),
-                                stdout=log, stderr=subprocess.STDOUT, cwd=workdir).returncode
+            client = subprocess.Popen(client_command(args, port, args.seed + rnd, result), env=server_env(args.threads),
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+            samples = []
+            while client.poll() is None:
+                samples.append(sample_cores(server.proc.pid, client.pid))
+                time.sleep(SAMPLE_S)
+            rc = client.returncode
         cpu = cpu_delta(cpu0, thread_cpu_seconds(server.proc.pid))
         if rc != 0 or not result.exists():
             raise RuntimeError(f"vllm bench serve failed (rc {rc}); log: {client_log}")
@@ -183,7 +191,42 @@ def run_one(target: str, args, rnd: int, workdir: Path) -> dict:
     if out.get("failed"):
         raise RuntimeError(f"{target}: {out['failed']} requests failed; log: {client_log}")
     return {"target": target, "round": rnd, "ready_s": ready_s, **{k: out.get(k) for k in METRICS},
-            "cpu": cpu_split(cpu, out.get("total_output_tokens") or 0), "thread_cpu": cpu}
+            "cpu": cpu_split(cpu, out.get("total_output_tokens") or 0), "thread_cpu": cpu,
+            "cores": window_cores(samples, out.get("duration") or 0.0)}
+
+
+def machine_ticks() -> tuple[int, int]:
+    """(busy, idle) clock ticks of all CPUs since boot from /proc/stat ((0, 0) where unreadable):
+    busy is user, nice, system, irq and softirq; idle is idle and iowait."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return 0, 0
+    return v[0] + v[1] + v[2] + v[5] + v[6], v[3] + v[4]
+
+
+def sample_cores(server_pid: int, client_pid: int) -> tuple[float, float, float, float, float]:
+    """(time, server CPU s, client CPU s, machine busy s, machine idle s), all cumulative."""
+    tick = os.sysconf("SC_CLK_TCK")
+    busy, idle = machine_ticks()
+    return (time.monotonic(), sum(thread_cpu_seconds(server_pid).values()),
+            sum(thread_cpu_seconds(client_pid).values()), busy / tick, idle / tick)
+
+
+def window_cores(samples: list[tuple], duration: float) -> dict[str, float]:
+    """Cores the server, the client and nobody (idle) used over the client's timed run: the last
+    `duration` seconds of the samples (its start-up before, importing and tokenizing, is not in
+    it). Idle cores with the server behind on its work mean the server waits on itself (its
+    threads taking turns at the GIL), not on the CPU."""
+    if len(samples) < 2:
+        return {}
+    first = next((s for s in samples if s[0] >= samples[-1][0] - duration), samples[0])
+    last = samples[-1]
+    wall = last[0] - first[0]
+    if wall <= 0:
+        return {}
+    return {name: round((last[i] - first[i]) / wall, 2) for i, name in ((1, "server"), (2, "client"), (4, "idle"))}
 
 
 def summarize(runs: list[dict], targets: list[str]) -> dict:
@@ -278,7 +321,9 @@ def main(argv=None) -> int:
             print(f"round {rnd} {t:<11} {r['output_throughput']:7.1f} tok/s  TTFT p50 {r['median_ttft_ms']:6.0f} ms"
                   f"  TPOT p50 {r['median_tpot_ms']:5.1f} ms  ITL p50 {r['median_itl_ms']:5.1f} ms"
                   f"  CPU ms/token {r['cpu']['total']:.1f} (engine thread {r['cpu']['engine_thread']:.1f},"
-                  f" main {r['cpu']['main_thread']:.1f}, other {r['cpu']['other']:.1f})", flush=True)
+                  f" main {r['cpu']['main_thread']:.1f}, other {r['cpu']['other']:.1f})"
+                  + "".join(f"  {k} {v:.2f}" for k, v in r["cores"].items()) + (" cores" if r["cores"] else ""),
+                  flush=True)
     summary = summarize(runs, args.targets)
     print_summary(summary)
     if args.json:

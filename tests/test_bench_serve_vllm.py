@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from bench.serve_offline import cpu_delta, thread_cpu_seconds
-from bench.serve_vllm import client_command, cpu_split, server_command, summarize
+from bench.serve_vllm import client_command, cpu_split, sample_cores, server_command, summarize, window_cores
 
 
 def _run(target: str, rnd: int, tok_s: float, ttft: float, tpot: float) -> dict:
@@ -33,6 +33,18 @@ def test_cpu_split_by_thread():
     sum(i * i for i in range(200_000))        # this thread burns some CPU
     grown = cpu_delta(now, thread_cpu_seconds(os.getpid()))
     assert grown and all(v > 0 for v in grown.values())
+
+
+def test_cores_over_the_clients_timed_run_only():
+    # (time, server CPU, client CPU, machine busy, machine idle), cumulative: the client's
+    # start-up (t 0-8: it alone busy, the server idle) is left out by its reported duration
+    samples = [(0.0, 10.0, 0.0, 100.0, 50.0), (8.0, 10.0, 7.5, 108.0, 58.5), (10.0, 13.0, 7.6, 111.2, 59.3),
+               (12.0, 16.0, 7.7, 114.4, 60.1)]
+    assert window_cores(samples, 4.0) == {"server": 1.5, "client": 0.05, "idle": 0.4}
+    assert window_cores(samples, 100.0) == {"server": 0.5, "client": 0.64, "idle": 0.84}
+    assert window_cores(samples[:1], 4.0) == {}
+    t, server, client, busy, idle = sample_cores(os.getpid(), os.getpid())
+    assert server == client > 0 and (busy + idle > 0 or not Path("/proc/stat").exists())
 
 
 def test_every_target_runs_the_same_workload_greedy():
