@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 from bench.serve_offline import cpu_delta, thread_cpu_seconds
@@ -30,7 +31,9 @@ def test_cpu_split_by_thread():
            "VLLM::EngineCor/VLLM::EngineCor": 2.0}
     assert cpu_split(cpu, 1000) == {"total": 10.0, "engine_thread": 3.0, "main_thread": 1.0, "other": 6.0}
     now = thread_cpu_seconds(os.getpid())
-    sum(i * i for i in range(200_000))        # this thread burns some CPU
+    busy_until = time.thread_time() + 0.05    # this thread burns 5 clock ticks of CPU (a fixed loop
+    while time.thread_time() < busy_until:    # took under one 10 ms tick on a Zen 5: nothing grew)
+        pass
     grown = cpu_delta(now, thread_cpu_seconds(os.getpid()))
     assert grown and all(v > 0 for v in grown.values())
 
