@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 
@@ -206,3 +207,39 @@ def test_text_prompts_are_tokenized_off_the_engine_thread(tmp_path):
     assert chat.prompt_token_ids == engine.tokenizer.encode(text, add_special_tokens=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [N_TOKENS, N_TOKENS]
     assert _all_free(engine) and "t2" not in ae._streams
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
+def test_engine_is_built_on_a_thread_that_takes_its_openmp_team_with_it():
+    """runtime.serve builds and warms the engine on a short-lived thread: the OpenMP team its
+    ops start ends with it, so the engine thread's team is the only one (two teams on 2 cores
+    made libgomp put its workers to sleep between regions: 0.4 idle cores, served decode 40%
+    slower). The helper returns the value, re-raises the error, and leaves no worker behind."""
+    import torch
+    from runtime.serve import _off_main_thread
+    before, threads = _os_threads(), torch.get_num_threads()
+    seen = []
+
+    def work():
+        seen.append(threading.current_thread().name)
+        torch.set_num_threads(2)
+        a = torch.randn(256, 256)
+        for _ in range(5):
+            a = torch.tanh(a @ a / 256)         # parallel regions: the thread's team starts
+        return float(a.sum())
+
+    try:
+        value = _off_main_thread(work)
+        deadline = time.monotonic() + 5
+        while _os_threads() > before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _os_threads() == before, "the loading thread's OpenMP workers outlived it"
+    finally:
+        torch.set_num_threads(threads)
+    assert isinstance(value, float) and seen == ["zooinfer-load"]
+    with pytest.raises(ValueError, match="bad spec"):
+        _off_main_thread(lambda: (_ for _ in ()).throw(ValueError("bad spec")))
