@@ -217,8 +217,8 @@ def sample_cores(server_pid: int, client_pid: int) -> tuple[float, float, float,
 def window_cores(samples: list[tuple], duration: float) -> dict[str, float]:
     """Cores the server, the client and nobody (idle) used over the client's timed run: the last
     `duration` seconds of the samples (its start-up before, importing and tokenizing, is not in
-    it). Idle cores with the server behind on its work mean the server waits on itself (its
-    threads taking turns at the GIL), not on the CPU."""
+    it). Idle cores with the server behind on its work mean the server waits on itself, not on
+    the CPU (found so: OpenMP workers put to sleep between regions by a second thread team)."""
     if len(samples) < 2:
         return {}
     first = next((s for s in samples if s[0] >= samples[-1][0] - duration), samples[0])

@@ -110,9 +110,9 @@ def _off_main_thread(fn):
     the thread that calls them and lives as long as it does. Built on the main thread, the engine
     left a team there beside the engine thread's; libgomp, finding more of its threads than
     cores, then only briefly spins between parallel regions and puts the workers to sleep, and
-    every region woke them again. On 2 cores (SmolLM2, 16 streams, vLLM's client) the served
-    decode step took 39-45 ms with 0.4-0.5 cores idle, against 28 ms offline; with the team gone
-    when this thread ends, 30 ms and 261-299 tok/s against 210-231."""
+    every region of every step woke them again: served decode ran 40% slower than offline with
+    0.4 cores idle (README, "Measured here", Zen 5). Built here, the team ends with this thread
+    and the engine thread's is the only one."""
     box: dict = {}
 
     def run():
