@@ -10,7 +10,11 @@ The library is built with `-march=native` (the cache directory is keyed by a has
 CPU's feature flags and the torch version, so a home directory shared between different
 machines never loads code built for another CPU); if that build fails it retries with
 plain `-O3`; if that fails too it warns once and `available()` stays False, so callers fall
-back to their torch path. `ZOOINFER_CPU_KERNELS=0` forces the fallback without building.
+back to their torch path. Under that directory each build has its own folder, named by a
+digest of the sources (headers included): two checkouts with different kernels (a bench
+comparing two commits, a worktree beside main) each keep their build, where one shared
+folder was rebuilt on every alternation (80-140 s per server start). The `KEEP_BUILDS`
+most recently used folders stay; older ones are removed when no process holds their lock. `ZOOINFER_CPU_KERNELS=0` forces the fallback without building.
 The sources (headers included) ship as package data, so an installed wheel builds from
 its own copy.
 
@@ -36,6 +40,7 @@ from pathlib import Path
 import torch
 
 SOURCES = Path(__file__).parent / "cpu"   # every *.cpp there is one library, op namespace zooinfer_cpu
+KEEP_BUILDS = 6            # source-keyed build folders kept per library (most recently used)
 _lock = threading.Lock()
 _state: dict = {}          # "ok": bool once a build was attempted; "seconds": build/load time;
                            # "library": path of the loaded shared library
@@ -71,6 +76,34 @@ def _build_root() -> Path:
     return Path(root) / "torch_extensions" / f"torch{torch.__version__.replace('+', '_')}-{_cpu_key()}"
 
 
+def source_key(sources: Path = SOURCES) -> str:
+    """Digest of every source and header (names and text): the build folder's name, so a
+    changed kernel builds beside the old one instead of over it."""
+    h = hashlib.sha1()
+    for f in sorted(sources.glob("*.cpp")) + sorted(sources.glob("*.h")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def prune_builds(root: Path, name: str, keep: int = KEEP_BUILDS) -> list[Path]:
+    """Remove `name`'s build folders under `root` beyond the `keep` most recently used ones;
+    a folder whose lock another process holds (building or about to load it) is left, and
+    the one unkeyed folder of earlier versions goes first. Returns the folders removed."""
+    builds = sorted((d for d in root.glob(f"{name}-*") if d.is_dir()), key=lambda d: d.stat().st_mtime,
+                    reverse=True)
+    removed = []
+    for d in [root / name] * (root / name).is_dir() + builds[keep:]:
+        with open(f"{d}.flock", "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+            Path(f"{d}.flock").unlink(missing_ok=True)
+            removed.append(d)
+    return removed
+
+
 @contextlib.contextmanager
 def build_lock(build_dir: Path):
     """Hold the cross-process build lock for `build_dir`; clear a stale torch baton under it."""
@@ -92,20 +125,20 @@ def _build() -> None:
     except ImportError:
         pass
     errors = []
-    # torch rebuilds when a source's text or the flags change; the headers' digest is a flag,
-    # so a change to a shared header (panels.h, vec_exp.h, ...) rebuilds too.
-    headers = hashlib.sha1(b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))).hexdigest()[:12]
+    key = source_key()      # a header change (panels.h, vec_exp.h, ...) is a new folder too
     for name, arch in (("zooinfer_cpu_native", ["-march=native"]), ("zooinfer_cpu", [])):
-        build_dir = _build_root() / name
+        build_dir = _build_root() / f"{name}-{key}"
         build_dir.mkdir(parents=True, exist_ok=True)
         try:
             with build_lock(build_dir):
                 cpp_extension.load(name=name, sources=sorted(str(f) for f in SOURCES.glob("*.cpp")),
                                    build_directory=str(build_dir),
-                                   extra_cflags=["-O3", "-fopenmp", *arch, f"-DZOOINFER_HEADERS={headers}"],
+                                   extra_cflags=["-O3", "-fopenmp", *arch],
                                    extra_ldflags=["-fopenmp"],
                                    is_python_module=False, verbose=False)
+                os.utime(build_dir)          # most recently used: pruning keeps it
             _state["library"] = str(build_dir / f"{name}.so")
+            prune_builds(build_dir.parent, name)
             return
         except Exception as e:   # noqa: BLE001 - any build failure means "use the fallback"
             errors.append(f"{' '.join(arch) or 'plain -O3'}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")

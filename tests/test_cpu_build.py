@@ -1,12 +1,15 @@
-"""The C++ kernels' cross-process build lock (kernels/cpu_build.build_lock): a torch baton left
-by a process killed mid-build is cleared instead of blocking every later start, and the lock
-is exclusive across processes while held."""
+"""The C++ kernels' build folders (kernels/cpu_build): the cross-process build lock (a torch
+baton left by a process killed mid-build is cleared instead of blocking every later start;
+the lock is exclusive across processes while held), one folder per source digest, and the
+pruning of old folders."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
-from kernels.cpu_build import build_lock
+from kernels.cpu_build import build_lock, prune_builds, source_key
 
 
 def _try_lock_from_another_process(lock_file) -> bool:
@@ -34,3 +37,39 @@ def test_lock_is_exclusive_across_processes_and_released(tmp_path):
     with build_lock(build_dir):
         assert not _try_lock_from_another_process(lock_file)
     assert _try_lock_from_another_process(lock_file)
+
+
+def _sources(folder, **files):
+    folder.mkdir(exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+def test_build_folder_is_named_by_every_source_and_header(tmp_path):
+    """Two checkouts with different kernels get two folders (no rebuild on alternation); the
+    same text anywhere gets the same folder, and a header change alone is a new one."""
+    a = source_key(_sources(tmp_path / "a", **{"x.cpp": "int f();", "p.h": "#define A 1"}))
+    assert source_key(_sources(tmp_path / "b", **{"x.cpp": "int f();", "p.h": "#define A 1"})) == a
+    assert source_key(_sources(tmp_path / "c", **{"x.cpp": "int f();", "p.h": "#define A 2"})) != a
+    assert source_key(_sources(tmp_path / "d", **{"x.cpp": "int g();", "p.h": "#define A 1"})) != a
+    assert source_key(_sources(tmp_path / "e", **{"y.cpp": "int f();", "p.h": "#define A 1"})) != a
+
+
+def test_prune_keeps_the_most_recently_used_and_any_folder_in_use(tmp_path):
+    builds = []
+    for i in range(5):
+        d = tmp_path / f"zooinfer_cpu_native-{i:012x}"
+        d.mkdir()
+        (d / "zooinfer_cpu_native.so").touch()
+        os.utime(d, (1000 + i, 1000 + i))       # folder 4 is the most recently used
+        builds.append(d)
+    (tmp_path / "zooinfer_cpu-000000000000").mkdir()       # the other library: not counted
+    (tmp_path / "zooinfer_cpu_native").mkdir()              # an earlier version's unkeyed folder
+    with build_lock(builds[0]):                 # held, as by a process building or loading it
+        removed = prune_builds(tmp_path, "zooinfer_cpu_native", keep=2)
+    assert set(removed) == {builds[1], builds[2], tmp_path / "zooinfer_cpu_native"}
+    assert [d.exists() for d in builds] == [True, False, False, True, True]
+    assert not Path(f"{builds[1]}.flock").exists() and Path(f"{builds[0]}.flock").exists()
+    assert (tmp_path / "zooinfer_cpu-000000000000").exists()
+    assert prune_builds(tmp_path, "zooinfer_cpu_native", keep=2) == [builds[0]]   # free now: oldest goes
