@@ -99,6 +99,38 @@ def test_q8_kernel_is_its_formula_and_within_the_bound(case, isa):
         assert err.max() > 0                     # activations really were rounded (not the fp32 path)
 
 
+def _five_six_bit_weights():
+    """The 5 / 6-bit cases, and two with a 32-weight tail chunk (K = 96) built by hand."""
+    g = torch.Generator().manual_seed(14)
+    out = [(name, qw) for name, qw, _ in CASES if qw.bits in (5, 6)]
+    for bits, zero in ((5, 16), (6, 32)):
+        n, k = 23, 96
+        qs = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+        qh = torch.randint(-2**31, 2**31 - 1, (n, k // 32, bits - 4), generator=g, dtype=torch.int32)
+        scale = (torch.rand(n, k // 32, generator=g) * 0.01).half()
+        out.append((f"bits{bits}-tail-{n}x{k}", QuantWeight(bits, 32, zero, qs, scale, None, k, "hand", qh=qh)))
+    return out
+
+
+@needs_q8
+@pytest.mark.skipif(2 not in ISAS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("case", _five_six_bit_weights(), ids=lambda c: c[0])
+def test_vnni_widens_5_6_bit_weights_as_the_unpacked_int8_weight(case):
+    """The VNNI decode kernel widens 5 / 6-bit q in registers; its products equal, bit for bit, those
+    of the same weight stored as int8 q - zero with the same scales (what the other paths unpack)."""
+    from kernels import quant_gemm
+    _, qw = case
+    q8 = (qw.values() - qw.zero).to(torch.int8)
+    g = torch.Generator().manual_seed(15)
+    for rows in (1, 2, 3, 4, 5, 16):
+        x = torch.randn(rows, qw.k_pad, generator=g)
+        got = quant_gemm.quant_linear_q8(x, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None,
+                                         **qw.storage, isa=2)
+        want = quant_gemm.quant_linear_q8(x, q8, qw.scale, qw.min, 8, qw.group, 0, None,
+                                          scale_d=qw.scale_d, min_d=qw.min_d, isa=2)
+        assert torch.equal(got, want), (rows, (got - want).abs().max())
+
+
 @needs_q8
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: {1: "avx2", 2: "vnni"}[i])
 def test_q8_kernel_refuses_prefill_sized_inputs(isa):

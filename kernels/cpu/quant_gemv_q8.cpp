@@ -21,6 +21,13 @@
 //   int32 lane i of the dot product then belongs to block i / 4.
 //   8-bit: natural order, 64 weights per chunk, lane i = weights 4i..4i+3 (block i / 8). Signed
 //   weights: |w| as the unsigned operand and x negated where w < 0 (vpdpbusd is unsigned x signed).
+//   5 / 6-bit: as 8-bit, each chunk's q - zero widened in registers from the stored nibbles and
+//   high-bit words (`weights8`), the same integers the other paths unpack into a buffer first.
+// Streaming (Zen 5, Gemma-3 Q4_K_M's body, 1 thread: 11.3 to 6.2 ms a step with the changes below):
+// full chunks load unmasked and each stream is prefetched in software PF_BYTES ahead (masked loads
+// kept the hardware prefetcher from following the rows, as in quant_head.cpp); even and odd chunks
+// sum into two named sets of accumulators (indexed by c & 1 they lived on the stack); 5 / 6 bits
+// skip the unpack buffer's store and reload; two-level scales widen 16 at a time (quant_storage.h).
 // This kernel needs AVX-512 F/BW/VL + VNNI (isa 2); elsewhere (isa 1: AVX2 + FMA, or forced by
 // the `isa` argument) the op runs quant_q8_avx2.cpp's row-order kernel, the same formula and
 // bound, whose results do not depend on the row count. `quant_q8_available`: either path; without AVX2 + FMA
@@ -40,101 +47,155 @@ namespace {
 
 using namespace zi_quant;
 
+constexpr int64_t PF_BYTES = 2560;   // software prefetch distance in a weight's quantized bytes
+
 // The weight scale of each of the `blocks` 32-weight blocks from block b0 on, into s[0..blocks).
 inline void block_scales(const QW& w, int64_t row, int64_t b0, int blocks, float* s) {
   const float* sc = w.scale + row * (w.k / w.group);
   for (int j = 0; j < blocks; ++j) s[j] = sc[(b0 + j) * 32 / w.group];
 }
 
-// 4-bit rows n0..n1 against R rows of xq: acc lanes hold block i / 4 of each chunk.
-template <int R>
-ZI_VNNI void tile4(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float* xsum, float* out, int64_t ldo) {
-  const int64_t nb = w.k / 32, chunks = (nb + 3) / 4, ng = w.k / w.group;
-  const uint8_t* r = w.qs + n * w.row_bytes();
-  const float* sc = w.scale + n * ng;
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int blocks = static_cast<int>(std::min<int64_t>(4, nb - c * 4));
-    const __mmask64 kb = blocks == 4 ? ~__mmask64(0) : (__mmask64(1) << (16 * blocks)) - 1;
-    const __m512i v = _mm512_maskz_loadu_epi8(kb, r + c * 64);
-    const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-    const __mmask8 k4 = static_cast<__mmask8>((1u << blocks) - 1);
-    __m128 sw;
-    if (w.group == 32) {
-      sw = _mm_maskz_loadu_ps(k4, sc + c * 4);
-    } else {
-      alignas(16) float s[4] = {0.f, 0.f, 0.f, 0.f};
-      block_scales(w, n, c * 4, blocks, s);
-      sw = _mm_load_ps(s);
-    }
-    for (int i = 0; i < R; ++i) {
-      const int8_t* xr = xq.q.data() + (m0 + i) * xq.ldq + c * 128;
-      __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
-      dp = _mm512_dpbusd_epi32(dp, hi, _mm512_loadu_si512(xr + 64));
-      const __m128 s4 = _mm_mul_ps(sw, _mm_loadu_ps(xq.d.data() + (m0 + i) * xq.ldd + c * 4));
-      const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
-      acc[i][c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), s, acc[i][c & 1]);
-    }
-  }
-  for (int i = 0; i < R; ++i)
-    out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
-                              (xsum ? offset_dot(Avx512{}, w, n, xsum + (m0 + i) * ng) : 0.f);
+ZI_VNNI ZI_INLINE __m128 load2(const float* p) {   // p[0], p[1], zeros: an 8-byte load, not a masked one
+  return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
 }
 
-// 8-bit rows: lane i of a 64-weight chunk covers weights 4i..4i+3 (block i / 8, 16-group i / 4).
+// 4-bit row n against R rows of xq: acc lanes hold block i / 4 of each chunk. Even chunks sum into
+// `even`, odd ones into `odd` (two fma chains, both in registers).
 template <int R>
-ZI_VNNI void tile8(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float* xsum, float* out, int64_t ldo) {
-  const int64_t chunks = (w.k + 63) / 64, ng = w.k / w.group;
-  const uint8_t* r = w.qs + n * w.row_bytes();
-  const float* sc = w.scale + n * ng;
+ZI_VNNI ZI_INLINE void chunk4(const QW& w, const uint8_t* r, const float* sc, int64_t c, int64_t nb, const XQ& xq,
+                              int64_t m0, __m512 (&acc)[R]) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const int blocks = static_cast<int>(std::min<int64_t>(4, nb - c * 4));
+  _mm_prefetch(reinterpret_cast<const char*>(r + c * 64) + PF_BYTES, _MM_HINT_T0);
+  const __m512i v = blocks == 4 ? _mm512_loadu_si512(r + c * 64)
+                                : _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * blocks)) - 1, r + c * 64);
+  const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  __m128 sw;
+  if (w.group == 32 && blocks == 4) {
+    sw = _mm_loadu_ps(sc + c * 4);
+  } else if (w.group == 32) {
+    sw = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << blocks) - 1), sc + c * 4);
+  } else {
+    alignas(16) float s[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int j = 0; j < blocks; ++j) s[j] = sc[(c * 4 + j) * 32 / w.group];
+    sw = _mm_load_ps(s);
+  }
+  for (int i = 0; i < R; ++i) {
+    const int8_t* xr = xq.q.data() + (m0 + i) * xq.ldq + c * 128;
+    __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
+    dp = _mm512_dpbusd_epi32(dp, hi, _mm512_loadu_si512(xr + 64));
+    const __m128 s4 = _mm_mul_ps(sw, _mm_loadu_ps(xq.d.data() + (m0 + i) * xq.ldd + c * 4));
+    const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), s, acc[i]);
+  }
+}
+
+// The 64 signed weights q - zero of chunk c (weights 64c..64c + 63, natural order) of a row of
+// BITS 8 (r: int8 [K]) or 5 / 6 (r: the low nibbles as 4-bit rows store them, 16 bytes a block;
+// h: the row's high-bit words, BITS - 4 per block). `full`: else a 32-weight tail (zeros after it).
+// 5 / 6 bits are widened here, in registers, instead of into a buffer (quant_storage.h
+// `unpack_rows`, which the other paths use): the same integers.
+template <int BITS>
+ZI_VNNI ZI_INLINE __m512i weights8(const uint8_t* r, const uint32_t* h, int64_t c, bool full, int zero) {
+  if constexpr (BITS == 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(r + c * 64) + PF_BYTES, _MM_HINT_T0);
+    return full ? _mm512_loadu_si512(r + c * 64) : _mm512_maskz_loadu_epi8((__mmask64(1) << 32) - 1, r + c * 64);
+  } else {
+    constexpr int planes = BITS - 4;
+    _mm_prefetch(reinterpret_cast<const char*>(r + c * 32) + PF_BYTES, _MM_HINT_T0);
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i b = full ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + c * 32))
+                           : _mm256_maskz_loadu_epi8(0xFFFF, r + c * 32);
+    // 128-bit lanes [A 0-15, B 0-15, A 16-31, B 16-31] of the chunk's blocks A, B -> natural order
+    __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(b, m4)),
+                                   _mm256_and_si256(_mm256_srli_epi16(b, 4), m4), 1);
+    v = _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0));
+    const uint32_t* hw = h + c * 2 * planes;   // words A0 [A1] B0 [B1]: bit j of a word is weight j's
+    const uint64_t hb = full ? hw[planes] : 0;
+    v = _mm512_mask_add_epi8(v, static_cast<__mmask64>(hw[0] | hb << 32), v, _mm512_set1_epi8(16));
+    if constexpr (planes == 2) {
+      const uint64_t hb1 = full ? hw[3] : 0;
+      v = _mm512_mask_add_epi8(v, static_cast<__mmask64>(hw[1] | hb1 << 32), v, _mm512_set1_epi8(32));
+    }
+    const __m512i q = _mm512_sub_epi8(v, _mm512_set1_epi8(static_cast<char>(zero)));
+    return full ? q : _mm512_maskz_mov_epi8((__mmask64(1) << 32) - 1, q);
+  }
+}
+
+// 8-bit (or 5 / 6-bit, see weights8) chunk c: lane i covers weights 4i..4i+3 (block i / 8, 16-group i / 4).
+template <int BITS, int R>
+ZI_VNNI ZI_INLINE void chunk8(const QW& w, const uint8_t* r, const uint32_t* h, const float* sc, int64_t c,
+                              const XQ& xq, int64_t m0, __m512 (&acc)[R]) {
   const __m512i by8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i by4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i zero = _mm512_setzero_si512();
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t k0 = c * 64, len = std::min<int64_t>(64, w.k - k0);   // 64 or a 32-weight tail
-    const __mmask64 kb = len == 64 ? ~__mmask64(0) : (__mmask64(1) << len) - 1;
-    const __m512i v = _mm512_maskz_loadu_epi8(kb, r + k0);
-    const __m512i aw = _mm512_abs_epi8(v);
-    const __mmask64 neg = _mm512_movepi8_mask(v);
-    __m512 sw;    // the weight scale of each lane
-    if (w.group == 16) {
-      sw = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(_mm_maskz_loadu_ps(len == 64 ? 0xF : 0x3, sc + k0 / 16)));
-    } else if (w.group == 32) {
-      sw = _mm512_permutexvar_ps(by8, _mm512_castps256_ps512(_mm256_maskz_loadu_ps(len == 64 ? 0x3 : 0x1, sc + k0 / 32)));
-    } else if (k0 / w.group == (k0 + len - 1) / w.group) {
-      sw = _mm512_set1_ps(sc[k0 / w.group]);
-    } else {      // a chunk across two groups of a G that is not a multiple of 64 (e.g. 96)
-      alignas(64) float s[16];
-      for (int j = 0; j < 16; ++j) s[j] = k0 + 4 * j < w.k ? sc[(k0 + 4 * j) / w.group] : 0.f;
-      sw = _mm512_load_ps(s);
-    }
-    for (int i = 0; i < R; ++i) {
-      const __m512i xv = _mm512_loadu_si512(xq.q.data() + (m0 + i) * xq.ldq + k0);
-      const __m512i dp = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
-      const __m512 dx = _mm512_permutexvar_ps(by8, _mm512_castps256_ps512(
-          _mm256_maskz_loadu_ps(0x3, xq.d.data() + (m0 + i) * xq.ldd + c * 2)));
-      acc[i][c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(sw, dx), acc[i][c & 1]);
+  const int64_t k0 = c * 64, len = std::min<int64_t>(64, w.k - k0);   // 64 or a 32-weight tail
+  const bool full = len == 64;
+  const __m512i v = weights8<BITS>(r, h, c, full, static_cast<int>(w.zero));
+  const __m512i aw = _mm512_abs_epi8(v);
+  const __mmask64 neg = _mm512_movepi8_mask(v);
+  __m512 sw;    // the weight scale of each lane
+  if (w.group == 16) {
+    sw = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(full ? _mm_loadu_ps(sc + k0 / 16) : load2(sc + k0 / 16)));
+  } else if (w.group == 32) {
+    sw = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(full ? load2(sc + k0 / 32) : _mm_load_ss(sc + k0 / 32)));
+  } else if (k0 / w.group == (k0 + len - 1) / w.group) {
+    sw = _mm512_set1_ps(sc[k0 / w.group]);
+  } else {      // a chunk across two groups of a G that is not a multiple of 64 (e.g. 96)
+    alignas(64) float s[16];
+    for (int j = 0; j < 16; ++j) s[j] = k0 + 4 * j < w.k ? sc[(k0 + 4 * j) / w.group] : 0.f;
+    sw = _mm512_load_ps(s);
+  }
+  for (int i = 0; i < R; ++i) {
+    const __m512i xv = _mm512_loadu_si512(xq.q.data() + (m0 + i) * xq.ldq + k0);
+    const __m512i dp = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
+    const __m512 dx = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(load2(xq.d.data() + (m0 + i) * xq.ldd + c * 2)));
+    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(sw, dx), acc[i]);
+  }
+}
+
+// Row n of a tile against rows m0..m0 + R of xq, written to out; chunks alternate between two sets
+// of accumulators (two fma chains), unrolled by hand so both stay in registers.
+template <int BITS, int R>
+ZI_VNNI void tile(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float* xsum, float* out, int64_t ldo) {
+  const int64_t nb = w.k / 32, ng = w.k / w.group;
+  const int64_t chunks = BITS == 4 ? (nb + 3) / 4 : (w.k + 63) / 64;
+  const uint8_t* r = w.qs + n * w.row_bytes();
+  const uint32_t* h = BITS == 5 || BITS == 6 ? w.qh + n * nb * (BITS - 4) : nullptr;
+  const float* sc = w.scale + n * ng;
+  __m512 even[R], odd[R];
+  for (int i = 0; i < R; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunks; c += 2) {
+    if constexpr (BITS == 4) {
+      chunk4<R>(w, r, sc, c, nb, xq, m0, even);
+      if (c + 1 < chunks) chunk4<R>(w, r, sc, c + 1, nb, xq, m0, odd);
+    } else {
+      chunk8<BITS, R>(w, r, h, sc, c, xq, m0, even);
+      if (c + 1 < chunks) chunk8<BITS, R>(w, r, h, sc, c + 1, xq, m0, odd);
     }
   }
   for (int i = 0; i < R; ++i)
-    out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
+    out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) +
                               (xsum ? offset_dot(Avx512{}, w, n, xsum + (m0 + i) * ng) : 0.f);
 }
 
-template <int R>
-ZI_VNNI void tile(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float* xsum, float* out, int64_t ldo) {
-  if (w.bits == 4) tile4<R>(w, n, xq, m0, xsum, out, ldo);
-  else tile8<R>(w, n, xq, m0, xsum, out, ldo);
+template <int BITS>
+ZI_VNNI void rows_bits(const QW& w, const XQ& xq, int64_t M, const float* xsum, float* out, int64_t ldo, int64_t n0,
+                       int64_t n1) {
+  for_each_tile<false>(w, M, n0, n1,
+                       [&](auto r, int64_t n, int64_t m0) { tile<BITS, decltype(r)::value>(w, n, xq, m0, xsum, out, ldo); });
 }
 
+// Rows [n0, n1) of a tile (bits 4, 8, or 5 / 6 as stored: for_row_tiles without unpacking).
 ZI_VNNI void rows_q8(const QW& w, const XQ& xq, int64_t M, const float* xsum, float* out, int64_t ldo, int64_t n0,
                      int64_t n1) {
-  for_each_tile(w, M, n0, n1, [&](auto r, int64_t n, int64_t m0) { tile<decltype(r)::value>(w, n, xq, m0, xsum, out, ldo); });
+  switch (w.bits) {
+    case 4: return rows_bits<4>(w, xq, M, xsum, out, ldo, n0, n1);
+    case 5: return rows_bits<5>(w, xq, M, xsum, out, ldo, n0, n1);
+    case 6: return rows_bits<6>(w, xq, M, xsum, out, ldo, n0, n1);
+    default: return rows_bits<8>(w, xq, M, xsum, out, ldo, n0, n1);
+  }
 }
 
 at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
@@ -160,7 +221,8 @@ at::Tensor quant_linear_q8(const at::Tensor& x, const at::Tensor& qs, const at::
       const std::vector<float> xsum = group_sums(w, xp, w.k, M);
       const float* xs = xsum.empty() ? nullptr : xsum.data();
       at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-        for_row_tiles(w, 2, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); });
+        for_row_tiles(w, 2, n0, n1, [&](const QW& t, int64_t r0, int64_t r1) { rows_q8(t, xq, M, xs, op + r0, N, 0, r1 - r0); },
+                      false);
       });
     }
   }

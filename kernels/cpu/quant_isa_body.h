@@ -9,7 +9,7 @@ ZI_TARGET ZI_INLINE float offset_dot(ZI_ISA, const QW& w, int64_t row, const flo
   const int64_t ng = w.k / w.group;
   const float* sp = w.scale + row * ng;
   const float* mp = w.minv ? w.minv + row * ng : nullptr;
-  const I::V z = I::set1(static_cast<float>(w.zero));
+  const I::V z = I::set1(static_cast<float>(w.tile_zero()));
   I::V acc = I::zero();
   int64_t g = 0;
   for (; g + I::W <= ng; g += I::W) {

@@ -47,7 +47,7 @@ struct QW {                          // one quantized weight, as the kernels rea
   int64_t tile_zero() const { return bits == 5 || bits == 6 ? 0 : zero; }   // 5 / 6 bits: folded into the expanded q
   float offset(int64_t row, int64_t g) const {   // min - zero * scale: w = scale * q + offset
     const float s = scale[row * (k / group) + g];
-    return (minv ? minv[row * (k / group) + g] : 0.f) - static_cast<float>(zero) * s;
+    return (minv ? minv[row * (k / group) + g] : 0.f) - static_cast<float>(tile_zero()) * s;
   }
 };
 
@@ -102,12 +102,13 @@ struct Avx512 {                      // 16 floats
 #undef ZI_TARGET
 
 // The decode loop of every SIMD path: for each output row n of [n0, n1) (row n + 1's quantized
-// bytes prefetched meanwhile) and each register tile of up to MR rows of x from row m0 on, calls
-// tile(std::integral_constant<int, R>, n, m0) with R = min(MR, M - m0).
-template <class F>
+// bytes prefetched meanwhile, unless the tile prefetches its own stream: `Prefetch` false) and each
+// register tile of up to MR rows of x from row m0 on, calls tile(std::integral_constant<int, R>, n,
+// m0) with R = min(MR, M - m0).
+template <bool Prefetch = true, class F>
 ZI_INLINE void for_each_tile(const QW& w, int64_t M, int64_t n0, int64_t n1, F&& tile) {
   for (int64_t n = n0; n < n1; ++n) {
-    if (n + 1 < n1) {
+    if (Prefetch && n + 1 < n1) {
       const char* next = reinterpret_cast<const char*>(w.qs + (n + 1) * w.row_bytes());
       for (int64_t b = 0; b < w.row_bytes(); b += 64) __builtin_prefetch(next + b, 0, 0);
     }

@@ -100,9 +100,31 @@ inline void half_to_float(const at::Half* s, float* d, int64_t n) {   // exact: 
   for (int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(s[i]);
 }
 
+// two_level_to_float on AVX-512, for rows of at most 16 super-blocks: 16 groups a step, each
+// lane's d picked from the row's widened d by one permute; the same single product per group.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void two_level_to_float_avx512(
+    const at::Half* d, const int8_t* q, int64_t rows, int64_t ng, int64_t per, float* out) {
+  const int64_t nd = ng / per;
+  const __mmask16 kd = static_cast<__mmask16>((1u << nd) - 1);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 dv = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(kd, d + r * nd));
+    for (int64_t g = 0; g < ng; g += 16) {
+      const __mmask16 k = static_cast<__mmask16>(ng - g >= 16 ? 0xFFFF : (1u << (ng - g)) - 1);
+      const __m512i gi = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(g)),
+                                          _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+      // g / per for per a power of two (the K-quants: 8 or 16); others take the scalar path
+      const __m512i idx = _mm512_srli_epi32(gi, __builtin_ctzll(static_cast<uint64_t>(per)));
+      const __m512 qv = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(k, q + r * ng + g)));
+      _mm512_mask_storeu_ps(out + r * ng + g, k, _mm512_mul_ps(_mm512_permutexvar_ps(idx, dv), qv));
+    }
+  }
+}
+
 // rows x ng fp32 scales from two-level storage: out[r, g] = d[r, g / per] * q[r, g] (one product)
 inline void two_level_to_float(const at::Half* d, const int8_t* q, int64_t rows, int64_t ng, int64_t per, float* out) {
   const int64_t nd = ng / per;
+  static const bool avx512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"));
+  if (avx512 && nd <= 16 && (per & (per - 1)) == 0) return two_level_to_float_avx512(d, q, rows, ng, per, out);
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t s = 0; s < nd; ++s) {
       const float ds = static_cast<float>(d[r * nd + s]);
@@ -176,13 +198,15 @@ inline void unpack_rows(const QW& w, int64_t isa, int64_t r0, int64_t r1, int8_t
 // f(tile, r0, r1) for rows [n0, n1) in tiles of up to 64 rows: `tile` is the weight of rows r0..r1
 // (its row 0 is row r0) as the kernels read it, bits 4 or 8 with fp32 scales, expanded from the
 // storage into local buffers when it is anything else (see the header; `isa` picks the unpacking).
+// `unpack` false: 5 / 6-bit q stay as stored (qs, qh and zero of the tile's rows), for a kernel
+// that widens them in registers (quant_gemv_q8.cpp); the scales are expanded all the same.
 template <class F>
-inline void for_row_tiles(const QW& w, int64_t isa, int64_t n0, int64_t n1, F&& f) {
+inline void for_row_tiles(const QW& w, int64_t isa, int64_t n0, int64_t n1, F&& f, bool unpack = true) {
   constexpr int64_t TILE = 64;
   const int64_t ng = w.k / w.group;
   const bool widen = w.scale == nullptr, has_min = w.has_min();
   std::vector<float> buf(widen ? TILE * ng * (has_min ? 2 : 1) : 0);
-  std::unique_ptr<int8_t[]> qbuf(w.qh ? new int8_t[TILE * w.k] : nullptr);
+  std::unique_ptr<int8_t[]> qbuf(w.qh && unpack ? new int8_t[TILE * w.k] : nullptr);
   for (int64_t r0 = n0; r0 < n1; r0 += TILE) {
     const int64_t r1 = std::min(n1, r0 + TILE);
     QW t{w.qs + r0 * w.row_bytes(), nullptr, nullptr, r1 - r0, w.k, w.group, w.zero, w.bits};
@@ -203,7 +227,9 @@ inline void for_row_tiles(const QW& w, int64_t isa, int64_t n0, int64_t n1, F&& 
       t.scale = s;
       t.minv = m;
     }
-    if (w.qh) {
+    if (w.qh && !unpack) {
+      t.qh = w.qh + r0 * (w.k / 32) * (w.bits - 4);
+    } else if (w.qh) {
       unpack_rows(w, isa, r0, r1, qbuf.get());
       t.qs = reinterpret_cast<const uint8_t*>(qbuf.get());
       t.bits = 8;
