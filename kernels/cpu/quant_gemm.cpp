@@ -208,71 +208,91 @@ ZI_AVX512 inline void block_avx512(const QW& w, int64_t row, int64_t kb, __m512&
   w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), s1, o1);
 }
 
+// One group of the AVX-512 decode tile into acc: G == 32 (one block per group: every GGUF legacy /
+// 4-bit format, int4 default), else G weights a 32 at a time plus a 16-weight rest.
+template <int R>
+ZI_AVX512 ZI_INLINE void group32(const QW& w, const uint8_t* r, const float* sc, int64_t g, const float* x,
+                                 int64_t ldx, __m512 (&acc)[R]) {
+  const int64_t k = g * 32;
+  __m512 a, b;
+  if (w.bits == 4) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k / 2)));
+    a = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+    b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+  } else {
+    const __m128i* p = reinterpret_cast<const __m128i*>(r + k);
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+  }
+  const __m512 sv = _mm512_set1_ps(sc[g]);
+  for (int i = 0; i < R; ++i) {
+    const __m512 t = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * ldx + k + 16),
+                                     _mm512_mul_ps(a, _mm512_loadu_ps(x + i * ldx + k)));
+    acc[i] = _mm512_fmadd_ps(t, sv, acc[i]);
+  }
+}
+
+template <int R>
+ZI_AVX512 ZI_INLINE void group_any(const QW& w, const uint8_t* r, const float* sc, int64_t g, const float* x,
+                                   int64_t ldx, __m512 (&acc)[R]) {
+  const int64_t G = w.group;
+  const __m512i mask = _mm512_set1_epi32(15);
+  __m512 t0[R], t1[R];
+  for (int i = 0; i < R; ++i) t0[i] = t1[i] = _mm512_setzero_ps();
+  const int64_t k0 = g * G, k1 = k0 + G;
+  if (w.bits == 4) {
+    for (int64_t k = k0; k < k1; k += 32) {
+      const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k / 2)));
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+      for (int i = 0; i < R; ++i) {
+        t0[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
+        t1[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + i * ldx + k + 16), t1[i]);
+      }
+    }
+  } else {
+    int64_t k = k0;
+    for (; k + 32 <= k1; k += 32) {
+      const __m128i* p = reinterpret_cast<const __m128i*>(r + k);
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+      const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+      for (int i = 0; i < R; ++i) {
+        t0[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
+        t1[i] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * ldx + k + 16), t1[i]);
+      }
+    }
+    if (k < k1) {   // a 16-weight group (Q6_K) or a group's odd last 16
+      const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k))));
+      for (int i = 0; i < R; ++i) t0[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(sc[g]);
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(t0[i], t1[i]), sv, acc[i]);
+}
+
+// Even groups sum into `even`, odd ones into `odd` (two fma chains), unrolled by hand so both sets
+// stay in registers (indexed by g & 1 they lived on the stack).
 template <int R>
 ZI_AVX512 inline void tile(Avx512, const QW& w, int64_t n, const float* x, int64_t ldx, const float* xsum,
                            float* out, int64_t ldo) {
-  const int64_t ng = w.k / w.group, G = w.group;
+  const int64_t ng = w.k / w.group;
   const uint8_t* r = w.qs + n * w.row_bytes();
   const float* sc = w.scale + n * ng;
-  __m512 acc[R][2];
-  for (int i = 0; i < R; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  const __m512i mask = _mm512_set1_epi32(15);
-  if (G == 32) {   // one 32-weight block per group (every GGUF legacy / 4-bit format, int4 default)
-    for (int64_t g = 0; g < ng; ++g) {
-      const int64_t k = g * 32;
-      __m512 a, b;
-      if (w.bits == 4) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k / 2)));
-        a = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
-        b = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-      } else {
-        const __m128i* p = reinterpret_cast<const __m128i*>(r + k);
-        a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
-        b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
-      }
-      const __m512 sv = _mm512_set1_ps(sc[g]);
-      for (int i = 0; i < R; ++i) {
-        const __m512 t = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * ldx + k + 16),
-                                         _mm512_mul_ps(a, _mm512_loadu_ps(x + i * ldx + k)));
-        acc[i][g & 1] = _mm512_fmadd_ps(t, sv, acc[i][g & 1]);
-      }
+  __m512 even[R], odd[R];
+  for (int i = 0; i < R; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  if (w.group == 32) {
+    for (int64_t g = 0; g < ng; g += 2) {
+      group32<R>(w, r, sc, g, x, ldx, even);
+      if (g + 1 < ng) group32<R>(w, r, sc, g + 1, x, ldx, odd);
     }
-  }
-  for (int64_t g = 0; G != 32 && g < ng; ++g) {
-    __m512 t0[R], t1[R];
-    for (int i = 0; i < R; ++i) t0[i] = t1[i] = _mm512_setzero_ps();
-    const int64_t k0 = g * G, k1 = k0 + G;
-    if (w.bits == 4) {
-      for (int64_t k = k0; k < k1; k += 32) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k / 2)));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, mask));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-        for (int i = 0; i < R; ++i) {
-          t0[i] = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
-          t1[i] = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + i * ldx + k + 16), t1[i]);
-        }
-      }
-    } else {
-      int64_t k = k0;
-      for (; k + 32 <= k1; k += 32) {
-        const __m128i* p = reinterpret_cast<const __m128i*>(r + k);
-        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
-        const __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
-        for (int i = 0; i < R; ++i) {
-          t0[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
-          t1[i] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + i * ldx + k + 16), t1[i]);
-        }
-      }
-      if (k < k1) {   // a 16-weight group (Q6_K) or a group's odd last 16
-        const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + k))));
-        for (int i = 0; i < R; ++i) t0[i] = _mm512_fmadd_ps(a, _mm512_loadu_ps(x + i * ldx + k), t0[i]);
-      }
+  } else {
+    for (int64_t g = 0; g < ng; g += 2) {
+      group_any<R>(w, r, sc, g, x, ldx, even);
+      if (g + 1 < ng) group_any<R>(w, r, sc, g + 1, x, ldx, odd);
     }
-    const __m512 sv = _mm512_set1_ps(sc[g]);
-    for (int i = 0; i < R; ++i) acc[i][g & 1] = _mm512_fmadd_ps(_mm512_add_ps(t0[i], t1[i]), sv, acc[i][g & 1]);
   }
   for (int i = 0; i < R; ++i)
-    out[i * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1])) +
+    out[i * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) +
                        (xsum ? offset_dot(Avx512{}, w, n, xsum + i * ng) : 0.f);
 }
 
