@@ -49,12 +49,6 @@ using namespace zi_quant;
 
 constexpr int64_t PF_BYTES = 2560;   // software prefetch distance in a weight's quantized bytes
 
-// The weight scale of each of the `blocks` 32-weight blocks from block b0 on, into s[0..blocks).
-inline void block_scales(const QW& w, int64_t row, int64_t b0, int blocks, float* s) {
-  const float* sc = w.scale + row * (w.k / w.group);
-  for (int j = 0; j < blocks; ++j) s[j] = sc[(b0 + j) * 32 / w.group];
-}
-
 ZI_VNNI ZI_INLINE __m128 load2(const float* p) {   // p[0], p[1], zeros: an 8-byte load, not a masked one
   return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
 }
