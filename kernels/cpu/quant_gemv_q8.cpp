@@ -24,7 +24,7 @@
 //   5 / 6-bit: as 8-bit, each chunk's q - zero widened in registers from the stored nibbles and
 //   high-bit words (`weights8`), the same integers the other paths unpack into a buffer first.
 // Streaming (Zen 5, Gemma-3 Q4_K_M's body, 1 thread: 11.3 to 6.2 ms a step with the changes below):
-// full chunks load unmasked and each stream is prefetched in software PF_BYTES ahead (masked loads
+// full chunks load unmasked and the quantized bytes are prefetched in software PF_BYTES ahead (masked loads
 // kept the hardware prefetcher from following the rows, as in quant_head.cpp); even and odd chunks
 // sum into two named sets of accumulators (indexed by c & 1 they lived on the stack); 5 / 6 bits
 // skip the unpack buffer's store and reload; two-level scales widen 16 at a time (quant_storage.h).
