@@ -103,3 +103,26 @@ def quant_linear_int8_act(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor
     `Q8_GEMM_MIN_ROWS` rows, the GEMM-ordered one from there on (`q8_available` must hold)."""
     op = quant_linear_q8 if x.shape[0] < Q8_GEMM_MIN_ROWS else quant_linear_q8_gemm
     return op(x, qs, scale, minv, bits, group, zero, bias, **storage)
+
+
+def bind(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, zero: int,
+         bias: torch.Tensor | None, act_int8: bool, *, qh: torch.Tensor | None = None,
+         scale_d: torch.Tensor | None = None, min_d: torch.Tensor | None = None):
+    """The product on one weight with every argument but x bound: `run(x)` for float32 x [M, K]
+    (K the weight's, a multiple of 32 and of the group) runs the op `quant_linear_int8_act` or
+    `quant_linear` would, with the same arguments, so the same values. Why: a `QuantLinear` that
+    gathers its buffers and picks an op on every call spends ~8 us of Python a call (Zen 5, 2
+    threads), about 1 ms of a SmolLM2 decode step of ~10 (120 calls); bound once it is one op call."""
+    ops = torch.ops.zooinfer_cpu
+    if act_int8 and q8_available():
+        decode, gemm = ops.quant_linear_q8.default, ops.quant_linear_q8_gemm.default
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            op = decode if x.shape[0] < Q8_GEMM_MIN_ROWS else gemm
+            return op(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
+    else:
+        exact = ops.quant_linear.default
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            return exact(x, qs, scale, minv, bits, group, zero, bias, -1, qh, scale_d, min_d)
+    return run

@@ -284,6 +284,7 @@ class QuantLinear(_QuantBuffers):
         self.in_features, self.out_features = qw.k, qw.n
         self._hold(qw)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
+        self._run = None          # `_bind`'s call, made at the first forward
 
     @property
     def qweight(self) -> QuantWeight:
@@ -294,11 +295,38 @@ class QuantLinear(_QuantBuffers):
         return self.qweight.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        args = (x, self.qs, self.scale, self.minv, self.bits, self.group, self.zero, self.in_features, self.bias,
-                self.act_int8, self.qh, self.scale_d, self.min_d)
         if torch.compiler.is_compiling():
-            return torch.ops.zooinfer.quant_linear(*args)
-        return _matmul(*args)
+            return torch.ops.zooinfer.quant_linear(*self._args(x))
+        run = self._run if self._run is not None else self._bind()
+        if run and x.dim() == 2 and x.dtype == torch.float32 and cpu_build.enabled():
+            return run(x)         # the kernel call with its weight bound (`_bind`): what _matmul would call
+        return _matmul(*self._args(x))
+
+    def _args(self, x: torch.Tensor) -> tuple:
+        return (x, self.qs, self.scale, self.minv, self.bits, self.group, self.zero, self.in_features, self.bias,
+                self.act_int8, self.qh, self.scale_d, self.min_d)
+
+    def _bind(self):
+        """`quant_gemm.bind` on this weight where `_matmul` would call the kernels on a 2-D float32 x
+        as it is (CPU buffers, the library built, K not padded, a float32 bias or none), else False
+        (then every call takes `_matmul`). Kept until `_apply` (`.to()`, ...) moves the buffers."""
+        tensors = [t for t in (self.qs, self.scale, self.minv, self.qh, self.scale_d, self.min_d, self.bias)
+                   if t is not None]
+        ok = (all(t.is_cpu for t in tensors) and self.scale.shape[1] * self.group == self.in_features
+              and (self.bias is None or self.bias.dtype == torch.float32) and cpu_build.available())
+        self._run = ok and quant_gemm.bind(self.qs, self.scale, self.minv, self.bits, self.group, self.zero,
+                                           self.bias, self.act_int8, qh=self.qh, scale_d=self.scale_d,
+                                           min_d=self.min_d)
+        return self._run
+
+    def _apply(self, fn, recurse: bool = True):
+        self._run = None          # the bound call holds the old tensors
+        return super()._apply(fn, recurse)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in _BUFFERS or name == "bias":
+            self.__dict__["_run"] = None      # a new weight tensor: bind again
+        super().__setattr__(name, value)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

@@ -132,6 +132,35 @@ def test_quant_linear_module(kernels, monkeypatch):
     assert torch.equal(lin.weight, w)
 
 
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_bound_call_is_the_unbound_product_and_follows_the_weight(activations, monkeypatch):
+    """The call `QuantLinear` binds at its first forward (quant_gemm.bind) gives _matmul's values bit
+    for bit at decode and prefill row counts; a new weight tensor, `.to()` / `.float()` and the kernel
+    switch are followed, not the tensors of the first call."""
+    if not cpu_build.available():
+        pytest.skip("C++ kernel library not built")
+    from models.quant import _matmul
+    _, qw, w = WEIGHTS[1]                      # Q4_1, with mins
+    lin = QuantLinear(qw, torch.randn(qw.n), activations)
+    g = torch.Generator().manual_seed(5)
+
+    def unbound(x):
+        return _matmul(*lin._args(x))
+    for rows in (1, 3, 7, 8, 20):              # both sides of the decode / GEMM op switch
+        x = torch.randn(rows, qw.k, generator=g)
+        assert torch.equal(lin(x), unbound(x)), rows
+    assert callable(lin._run)
+    x = torch.randn(2, qw.k, generator=g)
+    before = lin(x)
+    lin.scale = lin.scale * 2                  # a new tensor: bound again, the new scales used
+    assert lin._run is None
+    assert torch.equal(lin(x), unbound(x)) and not torch.equal(lin(x), before)
+    lin.float()                                # `_apply` (any .to()) drops the bound call
+    assert lin._run is None and torch.equal(lin(x), unbound(x))
+    monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "0")   # switched off after binding: the torch fallback
+    assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+
+
 def test_loader_quantizers_round_trip_within_step():
     w = torch.randn(20, 70, generator=torch.Generator().manual_seed(5))
     q8 = quantize_int8(w)
