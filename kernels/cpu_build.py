@@ -49,13 +49,35 @@ _state: dict = {}          # "ok": bool once a build was attempted; "seconds": b
 _switch = ["1", True]       # the last ZOOINFER_CPU_KERNELS value seen and what it means
 
 
+_pin = threading.local()    # .value: what `enabled` answers inside `pinned()` on this thread
+
+
 def enabled() -> bool:
     """False when ZOOINFER_CPU_KERNELS=0 (read on every call, so tests can toggle it; the
-    parse is memoised on the raw value: the fused ops ask several times per layer per step)."""
+    parse is memoised on the raw value: the fused ops ask several times per layer per step),
+    except inside `pinned()`, which reads it once."""
+    pinned_value = getattr(_pin, "value", None)
+    if pinned_value is not None:
+        return pinned_value
     raw = os.environ.get("ZOOINFER_CPU_KERNELS", "1")
     if raw != _switch[0]:
         _switch[:] = [raw, raw.strip().lower() not in ("0", "false", "off", "no")]
     return _switch[1]
+
+
+@contextlib.contextmanager
+def pinned():
+    """Within it (on this thread), `enabled` answers what the switch said on entry without
+    reading the environment again. Why: a decode step asks ~250 times (every fused op, every
+    quantized linear), and each environment read costs ~0.6 us; the model runner pins the
+    switch for a step's forward, so a step sees one answer throughout."""
+    prev = getattr(_pin, "value", None)
+    _pin.value = None
+    _pin.value = enabled()
+    try:
+        yield
+    finally:
+        _pin.value = prev
 
 
 def _cpu_key() -> str:

@@ -25,8 +25,10 @@ def use_kernel(*tensors: torch.Tensor) -> bool:
     """Whether the fused ops can run on these tensors now (eager, fp32 CPU, no grad, built)."""
     if not ENABLED or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return False
-    f32 = torch.float32
-    return all(t.dtype == f32 and t.is_cpu for t in tensors) and cpu_build.available()
+    for t in tensors:          # a loop, not all(<genexpr>): ~0.4 us less a call, ~150 calls a step
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return cpu_build.available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+from kernels import cpu_build
 from kernels.cpu_build import build_lock, prune_builds, source_key
 
 
@@ -73,3 +75,26 @@ def test_prune_keeps_the_most_recently_used_and_any_folder_in_use(tmp_path):
     assert not Path(f"{builds[1]}.flock").exists() and Path(f"{builds[0]}.flock").exists()
     assert (tmp_path / "zooinfer_cpu-000000000000").exists()
     assert prune_builds(tmp_path, "zooinfer_cpu_native", keep=2) == [builds[0]]   # free now: oldest goes
+
+
+def test_pinned_switch_reads_the_environment_once_per_scope(monkeypatch):
+    """Inside `pinned()` the switch keeps its value at entry (a step sees one answer); a nested
+    scope reads it afresh; leaving restores the outer pin, then the environment decides again."""
+    monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "1")
+    with cpu_build.pinned():
+        monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "0")
+        assert cpu_build.enabled()
+        with cpu_build.pinned():
+            assert not cpu_build.enabled()
+        assert cpu_build.enabled()
+    assert not cpu_build.enabled()
+    monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "1")
+    assert cpu_build.enabled()
+    seen = []                              # another thread is not pinned by this one's scope
+    with cpu_build.pinned():
+        monkeypatch.setenv("ZOOINFER_CPU_KERNELS", "0")
+        t = threading.Thread(target=lambda: seen.append(cpu_build.enabled()))
+        t.start()
+        t.join()
+        assert cpu_build.enabled()
+    assert seen == [False]

@@ -20,6 +20,7 @@ import torch
 from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
 from cache.tiers.transfer import run_transfers
+from kernels import cpu_build
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
 from runtime.worker.logits_processors import LogitsEdits
@@ -248,7 +249,8 @@ class ModelRunner:
             torch._dynamo.decorators.mark_unbacked(pos_t, 0)
         self._copy_pages(so.copies_before)         # checkpoint loads, fork copies
         saved = self.spec_verifier.snapshot(self) if so.spec_token_ids else None   # states before the drafts
-        with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)):
+        # pinned: the kernel switch is read once for the forward, not at each of its ~250 fused ops
+        with set_forward_context(ForwardContext(self.backend, layer_meta, self.state_layers)), cpu_build.pinned():
             hidden = self.graphs.replay(graph_bs, input_ids, positions) if graph_bs else \
                 self.forward(ids_t, pos_t, self.kv_caches)
         if self.draft is not None:    # the draft computes the step's committed tokens before the checkpoints
@@ -275,7 +277,8 @@ class ModelRunner:
         if not len(sample_rows):
             return ModelRunnerOutput({}, None, prompt_lps)
         meta = self._sampling_metadata(sample_rows, grammar_bitmask)
-        out = self._sample(hidden[logits_index], meta)
+        with cpu_build.pinned():
+            out = self._sample(hidden[logits_index], meta)
 
         tokens = out.token_ids.cpu().numpy()
         own = ~b.external[sample_rows]         # external rows get their next token fed later
