@@ -72,7 +72,7 @@ def pinned():
     quantized linear), and each environment read costs ~0.6 us; the model runner pins the
     switch for a step's forward, so a step sees one answer throughout."""
     prev = getattr(_pin, "value", None)
-    _pin.value = None
+    _pin.value = None              # unpinned for this read: a nested scope reads the switch afresh
     _pin.value = enabled()
     try:
         yield

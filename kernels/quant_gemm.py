@@ -98,11 +98,19 @@ def quant_linear_q8_gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor,
 
 
 def quant_linear_int8_act(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
-                          bits: int, group: int, zero: int, bias: torch.Tensor | None, **storage) -> torch.Tensor:
-    """The int8-activation product on the faster kernel for x's row count: the decode kernel below
-    `Q8_GEMM_MIN_ROWS` rows, the GEMM-ordered one from there on (`q8_available` must hold)."""
-    op = quant_linear_q8 if x.shape[0] < Q8_GEMM_MIN_ROWS else quant_linear_q8_gemm
-    return op(x, qs, scale, minv, bits, group, zero, bias, **storage)
+                          bits: int, group: int, zero: int, bias: torch.Tensor | None, *,
+                          qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                          min_d: torch.Tensor | None = None) -> torch.Tensor:
+    """The int8-activation product on the faster kernel for x's row count (`q8_op`; `q8_available`
+    must hold)."""
+    return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
+
+
+def q8_op(rows: int):
+    """The int8-activation op for `rows` rows of x: `quant_linear_q8` (decode) below
+    `Q8_GEMM_MIN_ROWS`, `quant_linear_q8_gemm` from there (the one place that picks)."""
+    ops = torch.ops.zooinfer_cpu
+    return ops.quant_linear_q8.default if rows < Q8_GEMM_MIN_ROWS else ops.quant_linear_q8_gemm.default
 
 
 def bind(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, zero: int,
@@ -113,15 +121,11 @@ def bind(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits:
     `quant_linear` would, with the same arguments, so the same values. Why: a `QuantLinear` that
     gathers its buffers and picks an op on every call spends ~8 us of Python a call (Zen 5, 2
     threads), about 1 ms of a SmolLM2 decode step of ~10 (120 calls); bound once it is one op call."""
-    ops = torch.ops.zooinfer_cpu
     if act_int8 and q8_available():
-        decode, gemm = ops.quant_linear_q8.default, ops.quant_linear_q8_gemm.default
-
         def run(x: torch.Tensor) -> torch.Tensor:
-            op = decode if x.shape[0] < Q8_GEMM_MIN_ROWS else gemm
-            return op(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
+            return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
     else:
-        exact = ops.quant_linear.default
+        exact = torch.ops.zooinfer_cpu.quant_linear.default
 
         def run(x: torch.Tensor) -> torch.Tensor:
             return exact(x, qs, scale, minv, bits, group, zero, bias, -1, qh, scale_d, min_d)
