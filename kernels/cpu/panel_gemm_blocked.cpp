@@ -12,7 +12,8 @@
 // - the micro-kernel keeps an MR x 32 block of out in 2 * MR vector registers over the whole KC
 //   block (no scratch round trip), two panel loads and MR broadcast-FMA pairs per k;
 // - for each KC block: for each panel: for each row tile of the thread's chunk: the panel's KC x 32
-//   floats (32 KB) are reused by every row tile from L1/L2, the packed x chunk (RB tiles) stays in L2;
+//   floats (32 KB) are reused by every row tile from L1/L2, the packed x chunk (RB tiles) stays in L2
+//   (on AVX2, a panel's two 16-column halves each run over all row tiles, so one 16 KB half stays in L1);
 // - threads split the rows (contiguous ranges of row tiles, at::parallel_for), so each packs only its
 //   own x and no thread waits for another; every thread reads all of W (from the last-level cache).
 // The first KC block writes out (its sum from zero), later ones add to it, the last adds the bias;

@@ -83,6 +83,22 @@ inline void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_
 inline void panel_block(const float* ap, int64_t ct, int64_t m0, int64_t M, int64_t kc, const float* panel,
                         float* out, int64_t n, int64_t col, bool first, const float* add, float* tail) {
   const int64_t w = std::min(NR, n - col);
+  if (w == NR) {
+    // Column tile outer, row tiles inner: on AVX2 (two 16-column tiles a panel) the L1 then holds
+    // one half panel (kc x 16 floats, 16 KB) beside the row tile streaming past it, where the
+    // whole 32 KB panel plus the tile did not fit Zen 3's 32 KB L1. Same FMAs per output.
+    for (int64_t j = 0; j < NR; j += TC) {
+      for (int64_t t = 0; t < ct; ++t) {
+        const int64_t m = m0 + t * MR;
+        const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+        const float* a = ap + t * kc * MR;
+        const float* aj = add ? add + col + j : nullptr;
+        if (first) micro<false>(a, panel + j, kc, out + m * n + col + j, n, aj, rows);
+        else micro<true>(a, panel + j, kc, out + m * n + col + j, n, aj, rows);
+      }
+    }
+    return;
+  }
   for (int64_t t = 0; t < ct; ++t) {
     const int64_t m = m0 + t * MR;
     const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
