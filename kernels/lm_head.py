@@ -3,11 +3,12 @@
 - `linear_argmax` (kernels/cpu/linear_argmax.cpp): `(x @ W.T).argmax(-1)` from the head's
   panels (`gemm.pack_panels`) without writing the logits: the product is computed with the
   tokens as vector lanes, so the argmax is a per-lane compare on each finished tile.
-- `screened_argmax`: the same tokens, screened on a bf16 copy of the head (`Bf16Screen`,
-  `make_screen`) and decided in fp32 among the rows the screen's rigorous error bound cannot
-  rule out. The screen pass runs on the best instruction set the CPU has (`usable_screen_isas`):
-  AMX tiles (kernels/cpu/screened_argmax.cpp), else AVX-512 BF16 (VDPBF16PS) or AVX2 + FMA
-  (kernels/cpu/screened_lanes.cpp); each needs its own layout of the bf16 copy.
+- `screened_argmax`: the same tokens, screened on a low-precision copy of the head
+  (`HeadScreen`, `make_screen`) and decided in fp32 among the rows the screen's rigorous error
+  bound cannot rule out. The screen pass runs on the best instruction set the CPU has
+  (`usable_screen_isas`): AMX tiles on a bf16 copy (kernels/cpu/screened_argmax.cpp), else
+  AVX-512 BF16 (VDPBF16PS, kernels/cpu/screened_lanes.cpp), else AVX2 on an int16 copy
+  (VPMADDWD, kernels/cpu/screened_i16.cpp); each needs its own layout of the copy.
 - `quant_head.quant_argmax` (kernels/quant_head.py): a quantized head (`models.quant.QuantLinear`
   carrying a `quant_screen`), screened with int8 activations and decided on the exact product.
 - `argmax_rows` (kernels/cpu/argmax_rows.cpp): `logits.argmax(-1)` in one vectorised pass
@@ -40,19 +41,20 @@ GREEDY_ROWS = range(24, sys.maxsize)
 # (`python -m bench.greedy_head` on Zen 3: 32 rows 42-48 ms against 54-100, 64 rows 83-107 against
 # 95-159), so there the fused fp32 kernel serves only the screen's decisions.
 GREEDY_ROWS_BY_WIDTH = {16: GREEDY_ROWS, 8: range(0)}
-# Row counts for which a head with a bf16 screen takes `screened_argmax` instead, per screen
+# Row counts for which a head with a screen takes `screened_argmax` instead, per screen
 # instruction set (`python -m bench.greedy_head`): AMX reads half the bytes and multiplies
 # several times faster, so it wins at every row count measured; so does VDPBF16PS (half the
-# bytes, twice the fp32 FMA rate); the AVX2 screen computes at the fp32 rate, so it wins only
-# where reading half the bytes matters, at few rows. A row count must be in both
-# `SCREENED_ROWS` (the switch for every set: tests empty it to turn the screen off) and its set's range.
+# bytes, twice the fp32 FMA rate) and so does the AVX2 int16 screen (half the bytes, VPMADDWD
+# at twice the fp32 FMA rate). A row count must be in both `SCREENED_ROWS` (the switch for
+# every set: tests empty it to turn the screen off) and its set's range.
 SCREENED_ROWS = range(1, sys.maxsize)
-SCREENED_ROWS_BY_ISA = {"amx": SCREENED_ROWS, "avx512_bf16": SCREENED_ROWS, "avx2": range(1, 24)}
+SCREENED_ROWS_BY_ISA = {"amx": SCREENED_ROWS, "avx512_bf16": SCREENED_ROWS, "avx2": SCREENED_ROWS}
 SCREEN_ISAS = ("amx", "avx512_bf16", "avx2")   # preference order
 SCREEN_ISA_ENV = "ZOOINFER_SCREEN_ISA"           # force one ("amx", "avx512_bf16", "avx2") or "none"
 
 VT, KT = 16, 32             # AMX bf16 A tile: 16 rows x 32 k (screened_argmax.cpp)
-RV = 4                      # vocab tiles per register block of the lane screens (screened_lanes.cpp)
+RV = 4                      # the pair layouts pad the vocab tiles to a multiple of this
+INT32_MAX = 2 ** 31 - 1
 
 
 def linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
@@ -63,16 +65,19 @@ def linear_argmax(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor
 
 
 @dataclass(frozen=True, slots=True)
-class Bf16Screen:
-    """The LM head in bf16 for `screened_argmax`, laid out for the screen's instruction set
-    `isa`, with the largest row norms of W, of its bf16 rounding W^ and of W - W^ (float64,
-    from the actual rounding): they bound how far a bf16 logit can be from the fp32 one, which
-    decides which rows stay candidates."""
-    tiles: torch.Tensor     # "amx": `pack_bf16_tiles`; "avx512_bf16" / "avx2": `pack_bf16_pairs`
+class HeadScreen:
+    """The LM head rounded for `screened_argmax`, laid out for the screen's instruction set
+    `isa` (bf16 for "amx" and "avx512_bf16"; int16 levels times one `scale` for "avx2"), with
+    the largest row norms of W, of its rounding W^ and of W - W^ (float64, from the actual
+    rounding): they bound how far a screen logit can be from the fp32 one, which decides which
+    rows stay candidates. `qmax`: the int16 copy's largest |level| (its int32 sums' room)."""
+    tiles: torch.Tensor     # "amx": `pack_bf16_tiles`; "avx512_bf16": `pack_bf16_pairs`; "avx2": `pack_i16_pairs`
     w_norm: float
     wb_norm: float
     dw_norm: float
     isa: str = "amx"
+    scale: float = 0.0
+    qmax: int = 0
 
 
 def usable_screen_isas() -> list[str]:
@@ -81,7 +86,9 @@ def usable_screen_isas() -> list[str]:
     library."""
     if not cpu_build.available():
         return []
-    return (["amx"] if cpu_build.amx_available() else []) + list(torch.ops.zooinfer_cpu.lane_screen_isas.default())
+    ops = torch.ops.zooinfer_cpu
+    return [isa for isa, ok in (("amx", cpu_build.amx_available()), ("avx512_bf16", ops.bf16_screen_available()),
+                                ("avx2", ops.i16_screen_available())) if ok]
 
 
 def screen_isa() -> str | None:
@@ -114,17 +121,59 @@ def pack_bf16_pairs(w: torch.Tensor) -> torch.Tensor:
     """`w [N, K]` rounded to bf16 with vocab rows as vector lanes, `[NT, KP, 32]`: tile t, k
     pair p holds (w[16t + r, 2p], w[16t + r, 2p + 1]) for r = 0..15, zero-padded past N, to
     NT a multiple of RV tiles, and to 2 * KP columns."""
-    n, k = w.shape
-    nt, kp = RV * -(-n // (RV * VT)), -(-k // 2)
-    pairs = torch.zeros(nt * VT, kp * 2, dtype=torch.bfloat16)
+    pairs = _padded_pairs(*w.shape, torch.bfloat16)
     with torch.no_grad():
-        pairs[:n, :k] = w
-    return pairs.view(nt, VT, kp, 2).transpose(1, 2).reshape(nt, kp, 2 * VT).contiguous()
+        pairs[:w.shape[0], :w.shape[1]] = w
+    return _to_lanes(pairs)
 
 
-def make_screen(w: torch.Tensor, isa: str | None = None, chunk_rows: int = 4096) -> Bf16Screen | None:
-    """The bf16 screen of a contiguous fp32 CPU head weight for `isa` (default `screen_isa()`),
-    or None (no usable instruction set, other weights, or non-finite entries: no error bound)."""
+def _padded_pairs(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros for an [n, k] head in a pair layout: rows to whole register blocks of RV vocab
+    tiles, columns to whole k pairs."""
+    return torch.zeros(RV * -(-n // (RV * VT)) * VT, 2 * -(-k // 2), dtype=dtype)
+
+
+def _to_lanes(padded: torch.Tensor) -> torch.Tensor:
+    """`_padded_pairs` rows as `[NT, KP, 32]`: vocab rows as lanes, k pairs adjacent."""
+    rows, cols = padded.shape
+    return padded.view(rows // VT, VT, cols // 2, 2).transpose(1, 2).reshape(rows // VT, cols // 2, 2 * VT).contiguous()
+
+
+def unpack_pairs(pairs: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The `[n, k]` matrix a pair layout (`pack_bf16_pairs`, `pack_i16_pairs`) holds (a view
+    where it can be)."""
+    nt, kp, _ = pairs.shape
+    return pairs.view(nt, kp, VT, 2).permute(0, 2, 1, 3).reshape(nt * VT, kp * 2)[:n, :k]
+
+
+def i16_levels(k: int) -> int:
+    """The largest |level| of an int16 head copy with k columns: the int32 sums of the AVX2
+    screen hold 2 * ceil(k / 2) products of a weight level and an x level, and x gets about 4x
+    the weight's levels (hidden states' outlier features set each token's scale; one scale
+    serves the whole head): Qw = sqrt(budget / 4), budget = (2^31 - 1) / (2 ceil(k / 2))."""
+    budget = INT32_MAX // (2 * -(-k // 2))
+    return max(1, min(32767, math.isqrt(budget // 4)))
+
+
+def pack_i16_pairs(w: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """`w [N, K]` as int16 levels of one scale, `w ~ scale * q`, in the lane layout of
+    `pack_bf16_pairs` (`[NT, KP, 32]`: tile t, k pair p holds (q[16t + r, 2p], q[16t + r,
+    2p + 1]) for r = 0..15, zero-padded). Returns (q, scale); scale 0 for an all-zero w."""
+    n, k = w.shape
+    levels = i16_levels(k)
+    amax = float(w.abs().max()) if w.numel() else 0.0
+    scale = float(torch.tensor(amax / levels, dtype=torch.float32))    # the fp32 scale the kernel multiplies by
+    q = _padded_pairs(n, k, torch.int16)
+    if scale > 0:
+        with torch.no_grad():
+            q[:n, :k] = torch.round(w / scale).clamp_(-levels, levels).to(torch.int16)
+    return _to_lanes(q), scale
+
+
+def make_screen(w: torch.Tensor, isa: str | None = None, chunk_rows: int = 4096) -> HeadScreen | None:
+    """The screen of a contiguous fp32 CPU head weight for `isa` (default `screen_isa()`): a bf16
+    copy, or for "avx2" an int16 one; None where none applies (no usable instruction set, other
+    weights, or non-finite entries: no error bound)."""
     isa = screen_isa() if isa is None else isa
     if isa is None:
         return None
@@ -132,26 +181,38 @@ def make_screen(w: torch.Tensor, isa: str | None = None, chunk_rows: int = 4096)
         raise ValueError(f"make_screen: isa must be one of {', '.join(SCREEN_ISAS)}, got {isa!r}")
     if w.device.type != "cpu" or w.dtype != torch.float32 or not w.is_contiguous() or w.dim() != 2 or w.numel() == 0:
         return None
+    if not bool(torch.isfinite(w).all()):
+        return None
+    scale, qmax = 0.0, 0
+    if isa == "avx2":
+        tiles, scale = pack_i16_pairs(w)
+        qmax = int(tiles.abs().max())
+        levels = unpack_pairs(tiles, *w.shape)       # the actual rounding, for its norms
+        rounded = (lambda r0, r1: levels[r0:r1].double() * scale)    # exact: an int16 times an fp32 scale
+    else:
+        tiles = pack_bf16_tiles(w) if isa == "amx" else pack_bf16_pairs(w)
+        rounded = (lambda r0, r1: w[r0:r1].bfloat16().double())
     norms = [0.0, 0.0, 0.0]
     with torch.no_grad():
         for start in range(0, w.shape[0], chunk_rows):   # float64 copies a chunk at a time
-            wd = w[start:start + chunk_rows].double()
-            wh = w[start:start + chunk_rows].bfloat16().double()
+            wd, wh = w[start:start + chunk_rows].double(), rounded(start, start + chunk_rows)
             for i, t in enumerate((wd, wh, wd - wh)):
                 norms[i] = max(norms[i], float(t.norm(dim=1).max()))
     if not all(math.isfinite(v) for v in norms):
         return None
-    return Bf16Screen(pack_bf16_tiles(w) if isa == "amx" else pack_bf16_pairs(w), *norms, isa=isa)
+    return HeadScreen(tiles, *norms, isa=isa, scale=scale, qmax=qmax)
 
 
-def screened_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, screen: Bf16Screen) -> torch.Tensor:
-    """The same tokens as `linear_argmax(x, panels, n)`, screened on the head's bf16 copy
+def screened_argmax(x: torch.Tensor, panels: torch.Tensor, n: int, screen: HeadScreen) -> torch.Tensor:
+    """The same tokens as `linear_argmax(x, panels, n)`, screened on the head's rounded copy
     (`screen`) and decided in fp32 among the rows the screen cannot rule out. Returns int64 [M]."""
+    ops = torch.ops.zooinfer_cpu
     if screen.isa == "amx":
-        return torch.ops.zooinfer_cpu.screened_argmax.default(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
-                                                      screen.dw_norm)
-    return torch.ops.zooinfer_cpu.screened_argmax_lanes.default(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm,
-                                                        screen.dw_norm, screen.isa)
+        return ops.screened_argmax.default(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm, screen.dw_norm)
+    if screen.isa == "avx2":
+        return ops.screened_argmax_i16.default(x, screen.tiles, panels, n, screen.scale, screen.qmax, screen.w_norm,
+                                               screen.wb_norm, screen.dw_norm)
+    return ops.screened_argmax_lanes.default(x, screen.tiles, panels, n, screen.w_norm, screen.wb_norm, screen.dw_norm)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

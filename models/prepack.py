@@ -35,8 +35,8 @@ weight by key.
 The LM head gets panels whatever the model's kind (when the kernel library is built), so
 greedy steps can take their tokens straight from them without logits (`linear_argmax`;
 `kernels.lm_head.GreedyHead` decides when). Where a screen instruction set is usable
-(`lm_head.screen_isa()`: AMX, AVX-512 BF16 or AVX2) the head also gets a bf16 copy laid out for
-it (`lm_head.make_screen`, checked here against `linear_argmax`) for `screened_argmax`; it costs
+(`lm_head.screen_isa()`: AMX, AVX-512 BF16 or AVX2) the head also gets a bf16 copy (an int16 one
+on AVX2) laid out for it (`lm_head.make_screen`, checked here against `linear_argmax`) for `screened_argmax`; it costs
 half the head's fp32 bytes more.
 
 Memory: the packed copy is as large as the weight (panels: plus the padding of N to a multiple
@@ -92,7 +92,7 @@ def supported() -> bool:
     return cpu_build.available() or mkl_supported()
 
 
-def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> lm_head.Bf16Screen | None:
+def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> lm_head.HeadScreen | None:
     """`lm_head.make_screen(w)` if `screened_argmax` on it returns `linear_argmax`'s tokens for
     random rows (as packed weights are checked against `F.linear`), else None with a warning."""
     screen = lm_head.make_screen(w)
@@ -102,7 +102,7 @@ def _checked_screen(w: torch.Tensor, panels: torch.Tensor) -> lm_head.Bf16Screen
     want = lm_head.linear_argmax(x, panels, w.shape[0])
     got = lm_head.screened_argmax(x, panels, w.shape[0], screen)
     if not torch.equal(got, want):
-        warnings.warn("the LM head's bf16 screen disagreed with its fp32 argmax; greedy steps use the fp32 "
+        warnings.warn("the LM head's screen disagreed with its fp32 argmax; greedy steps use the fp32 "
                       "kernel", RuntimeWarning, stacklevel=3)
         return None
     return screen
@@ -152,7 +152,7 @@ class PackedLinear(nn.Module):
         self.kind = kind
         self.packed = packed                 # a plain attribute, not a buffer (state dicts stay unchanged)
         self.blocked = kind == "panel" and blocked   # rows past PANEL_MAX_ROWS: blocked panel kernel
-        self.screen: lm_head.Bf16Screen | None = None   # the LM head's bf16 copy, set by `prepack_linears`
+        self.screen: lm_head.HeadScreen | None = None   # the LM head's screen copy, set by `prepack_linears`
         self.key = next(_keys)
         _PACKED[self.key] = (kind, packed, self.blocked)
         weakref.finalize(self, _PACKED.pop, self.key, None)
@@ -212,8 +212,8 @@ def prepack_linears(model: nn.Module, kind: str | None = None, head: str | None 
     The linear named `head` on `model` itself gets panels whatever the kind, when the kernel
     library is built: greedy steps take their tokens from those panels without logits
     (`linear_argmax`), and the head is the largest weight, streamed every step, where panels
-    lose little to MKL even in cache; where the CPU has a screen instruction set (AMX, AVX-512 BF16, AVX2) it also gets a bf16
-    screen (`make_screen`).
+    lose little to MKL even in cache; where the CPU has a screen instruction set (AMX, AVX-512 BF16, AVX2) it also gets a
+    screen (`make_screen`: bf16, or int16 on AVX2).
     A no-op (0) when neither the library nor MKL exists."""
     if not supported():
         return 0

@@ -1,7 +1,8 @@
-"""Greedy tokens screened in bf16 (`lm_head.screened_argmax`), on every screen instruction set
-this CPU has (AMX tiles: `zooinfer_cpu::screened_argmax`; AVX-512 BF16 and the AVX2 fallback:
-`zooinfer_cpu::screened_argmax_lanes`), each skipped with its reason elsewhere: the same index
-as the fp32 `linear_argmax` on every input, including logits closer than bf16 can tell apart,
+"""Greedy tokens screened in low precision (`lm_head.screened_argmax`), on every screen instruction
+set this CPU has (AMX tiles in bf16: `zooinfer_cpu::screened_argmax`; AVX-512 BF16:
+`zooinfer_cpu::screened_argmax_lanes`; AVX2 in int16: `zooinfer_cpu::screened_argmax_i16`), each
+skipped with its reason elsewhere: the same index as the fp32 `linear_argmax` on every input,
+including logits closer than the screen can tell apart, int32 sums at their limit,
 ties, non-finite rows and many-way ties that fall back; the load-time check, the start-up
 choice of instruction set, and the model's gate (engine tokens with the screen on and off:
 test_linear_argmax)."""
@@ -120,24 +121,31 @@ def _one_line(e) -> bool:
     return "\n" not in str(e.value).split("\nException raised from")[0].strip()
 
 
+def _screen_op(isa: str, screen) -> tuple:
+    """(op, its arguments after n, the message of a wrong copy) for a screen on `isa`."""
+    ops = torch.ops.zooinfer_cpu
+    norms = (screen.w_norm, screen.wb_norm, screen.dw_norm)
+    if isa == "amx":
+        return ops.screened_argmax, norms, "wb must be"
+    if isa == "avx2":
+        return ops.screened_argmax_i16, (screen.scale, screen.qmax, *norms), "wq must be"
+    return ops.screened_argmax_lanes, norms, "wv must be"
+
+
 def test_bad_inputs_raise_one_line(isa):
     w = torch.randn(40, 8)
     panels, screen = pack_panels(w), make_screen(w, isa)
-    norms = (screen.w_norm, screen.wb_norm, screen.dw_norm)
-    if isa == "amx":
-        f, name, extra = torch.ops.zooinfer_cpu.screened_argmax, "wb must be", ()
-    else:
-        f, name, extra = torch.ops.zooinfer_cpu.screened_argmax_lanes, "wv must be", (isa,)
-    for args, match in [((torch.randn(2, 8), screen.tiles[:1], panels, 40, *norms, *extra), name),
-                        ((torch.randn(2, 8), screen.tiles.float(), panels, 40, *norms, *extra), name),
-                        ((torch.randn(2, 8), screen.tiles, panels, 70, *norms, *extra), "does not match"),
-                        ((torch.randn(2, 7), screen.tiles, panels, 40, *norms, *extra), "x has K=7")]:
+    f, rest, name = _screen_op(isa, screen)
+    for args, match in [((torch.randn(2, 8), screen.tiles[:1], panels, 40, *rest), name),
+                        ((torch.randn(2, 8), screen.tiles.float(), panels, 40, *rest), name),
+                        ((torch.randn(2, 8), screen.tiles, panels, 70, *rest), "does not match"),
+                        ((torch.randn(2, 7), screen.tiles, panels, 40, *rest), "x has K=7")]:
         with pytest.raises(RuntimeError, match=match) as e:
             f(*args)
         assert _one_line(e)
-    if isa != "amx":
-        with pytest.raises(RuntimeError, match="isa must be 'avx512_bf16' or 'avx2', got 'sse'") as e:
-            f(torch.randn(2, 8), screen.tiles, panels, 40, *norms, "sse")
+    if isa == "avx2":
+        with pytest.raises(RuntimeError, match="qw_max=40000 leaves no int32 room for K=8") as e:
+            f(torch.randn(2, 8), screen.tiles, panels, 40, screen.scale, 40000, *rest[2:])
         assert _one_line(e)
 
 
@@ -145,17 +153,59 @@ def test_bad_inputs_raise_one_line(isa):
 def test_lane_screen_refuses_an_isa_the_cpu_lacks():
     w = torch.randn(40, 8)
     pairs = lm_head.pack_bf16_pairs(w)
-    with pytest.raises(RuntimeError, match="isa 'avx512_bf16' is not available on this CPU") as e:
-        torch.ops.zooinfer_cpu.screened_argmax_lanes(torch.randn(2, 8), pairs, pack_panels(w), 40, 1.0, 1.0, 0.0,
-                                                     "avx512_bf16")
+    with pytest.raises(RuntimeError, match="this CPU has no avx512_bf16") as e:
+        torch.ops.zooinfer_cpu.screened_argmax_lanes(torch.randn(2, 8), pairs, pack_panels(w), 40, 1.0, 1.0, 0.0)
     assert _one_line(e)
+
+
+def test_i16_sums_at_their_int32_limit(isa):
+    """Every level at its largest with one sign: each int32 sum reaches 2 KP Qw Qx, just under
+    2^31 (a wrapped sum would make the winner the smallest logit); and two rows whose int16
+    levels are equal, told apart by fp32 only."""
+    if isa != "avx2":
+        pytest.skip("the int16 screen's limit")
+    for k in (256, 576, 4096):
+        w = torch.full((300, k), 0.5)
+        w[123] = 1.0
+        x = torch.ones(5, k)
+        got, want = _both(x, w, isa)
+        assert torch.equal(got, want) and got.tolist() == [123] * 5
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(500, 64, generator=g) * 0.01
+    x = torch.randn(4, 64, generator=g)
+    w[10] = x[0] / x[0].norm() * 0.5
+    j = int(x[0].abs().argmax())                                    # the nudge below counts most there
+    w[10, j] = 0.0
+    w[400] = w[10]
+    screen = make_screen(w, isa)
+    w[400, j] = float(torch.sign(x[0, j])) * screen.scale / 8      # still level 0
+    assert torch.equal(make_screen(w, isa).tiles, screen.tiles)     # the same int16 rows
+    got, want = _both(x, w, isa)
+    assert torch.equal(got, want) and int(got[0]) == 400
+
+
+def test_i16_layout_and_scale():
+    """`pack_i16_pairs`: one fp32 scale for the head (its largest |w| at `i16_levels(k)`),
+    the pair layout of `pack_bf16_pairs`; `unpack_pairs` reads it back."""
+    w = torch.arange(70 * 5, dtype=torch.float32).view(70, 5) - 100
+    q, scale = lm_head.pack_i16_pairs(w)
+    levels = lm_head.i16_levels(5)
+    assert q.dtype == torch.int16 and tuple(q.shape) == (8, 3, 32)
+    assert scale == float(torch.tensor(249 / levels, dtype=torch.float32)) and int(q.abs().max()) == levels
+    assert torch.equal(lm_head.unpack_pairs(q, 70, 5), torch.round(w / scale).to(torch.int16))
+    assert q[5:].abs().sum() == 0 and q[1, 2, 2 * 3 + 1] == 0
+    assert lm_head.i16_levels(256) ** 2 * 4 * 256 <= 2 ** 31 and lm_head.i16_levels(1) == 16383
+    assert lm_head.pack_i16_pairs(torch.zeros(3, 4))[1] == 0.0
 
 
 def test_make_screen_refuses_weights_without_a_bound(isa):
     assert make_screen(torch.full((4, 4), float("inf")), isa) is None
     assert make_screen(torch.randn(4, 4).double(), isa) is None
     s = make_screen(torch.eye(3) * 2, isa)
-    assert (s.w_norm, s.wb_norm, s.dw_norm) == (2.0, 2.0, 0.0)
+    if isa == "avx2":     # 2 = levels * scale up to the scale's fp32 rounding
+        assert s.w_norm == 2.0 and abs(s.wb_norm - 2.0) < 1e-6 and s.dw_norm < 1e-6 and s.qmax == lm_head.i16_levels(3)
+    else:
+        assert (s.w_norm, s.wb_norm, s.dw_norm) == (2.0, 2.0, 0.0)
     assert tuple(s.tiles.shape) == ((2, 1, 16, 32) if isa == "amx" else (lm_head.RV, 2, 32))
     with pytest.raises(ValueError, match="make_screen: isa must be one of"):
         make_screen(torch.eye(3), "sse")
@@ -200,7 +250,7 @@ def test_a_screen_that_disagrees_is_dropped(tiny_hf, monkeypatch, isa):
     model = CausalLM(resolve_spec(str(path))).eval()
     real = lm_head.make_screen
     monkeypatch.setattr(lm_head, "make_screen", lambda w: dataclasses.replace(real(w), tiles=-real(w).tiles))
-    with pytest.warns(RuntimeWarning, match="bf16 screen disagreed"):
+    with pytest.warns(RuntimeWarning, match="screen disagreed"):
         prepack_linears(model)
     assert model.lm_head.kind == "panel" and model.lm_head.screen is None
 
