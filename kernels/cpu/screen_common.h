@@ -165,4 +165,22 @@ inline at::Tensor decide(const at::Tensor& xc, const at::Tensor& panels, int64_t
   return out;
 }
 
+// The screen pass over threads, then the decision. The vocab is `units` work units (tiles,
+// tile pairs or tile blocks: whatever the screen's inner loop walks); each thread takes a
+// contiguous range of them with its own running maxima, so no two threads write one rm row.
+// screen(u0, u1, tmax, rm) fills tmax for its units' tiles and folds their maxima into rm [ld].
+template <class Screen>
+inline at::Tensor screen_then_decide(const at::Tensor& xc, const at::Tensor& panels, int64_t n, int64_t NT,
+                                     int64_t ld, int64_t units, const float* e2, const uint8_t* screened,
+                                     const Screen& screen) {
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units));
+  std::vector<float> tmax(static_cast<size_t>(NT * ld), -std::numeric_limits<float>::infinity());
+  std::vector<float> rm(static_cast<size_t>(chunks * ld), -std::numeric_limits<float>::infinity());
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t ch = c0; ch < c1; ++ch)
+      screen(units * ch / chunks, units * (ch + 1) / chunks, tmax.data(), rm.data() + ch * ld);
+  });
+  return decide(xc, panels, n, NT, tmax.data(), ld, rm.data(), chunks, e2, screened);
+}
+
 }  // namespace zooinfer_screen

@@ -183,18 +183,13 @@ at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& wb, const at::
     uint16_t* dst = xb.data() + (m / 16) * KS * TILE + (m % 16) * 2;
     for (int64_t k = 0; k < K; ++k) dst[(k / KT) * TILE + ((k % KT) / 2) * 32 + (k % 2)] = xh[m * KS * KT + k];
   }
-  // The screen: per vocab tile and token, the tile's largest bf16 logit.
-  const int64_t pairs = NT / 2;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), pairs));
-  std::vector<float> tmax(static_cast<size_t>(NT * ld)), rm(static_cast<size_t>(chunks * ld));
+  // The screen: per vocab tile and token, the tile's largest bf16 logit, over tile pairs; then
+  // the decision, per token: every row of the tiles within 2E of its best, in fp32.
   const auto* wp = reinterpret_cast<const uint16_t*>(wb.data_ptr<at::BFloat16>());
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t ch = c0; ch < c1; ++ch)
-      screen_chunk(wp, xb.data(), n, KS, G, pairs * ch / chunks, pairs * (ch + 1) / chunks, tmax.data(),
-                   rm.data() + ch * ld);
-  });
-  // The decision, per token: every row of the tiles within 2E of its best, in fp32.
-  return decide(xc, panels, n, NT, tmax.data(), ld, rm.data(), chunks, e2.data(), screened.data());
+  return screen_then_decide(xc, panels, n, NT, ld, NT / 2, e2.data(), screened.data(),
+                            [&](int64_t p0, int64_t p1, float* tmax, float* rm) {
+                              screen_chunk(wp, xb.data(), n, KS, G, p0, p1, tmax, rm);
+                            });
 #else
   return linear_argmax_op(x, panels, n);
 #endif

@@ -195,17 +195,11 @@ at::Tensor screened_argmax_i16(const at::Tensor& x, const at::Tensor& wq, const 
   std::vector<uint32_t> xq(static_cast<size_t>(M * KP));
   token_bounds_i16(xc.data_ptr<float>(), M, K, KP, x_levels(KP, qw_max), w_scale, w_norm, wq_norm, dw_norm,
                    xq.data(), c.data(), e2.data(), screened.data());
-  // Threads take contiguous ranges of vocab tiles, each with its own running maxima.
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), NT));
-  std::vector<float> tmax(static_cast<size_t>(NT * ld), -std::numeric_limits<float>::infinity());
-  std::vector<float> rm(static_cast<size_t>(chunks * ld), -std::numeric_limits<float>::infinity());
   const int16_t* wp = wq.data_ptr<int16_t>();
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t ch = c0; ch < c1; ++ch)
-      screen_tiles(wp, xq.data(), M, KP, n, NT * ch / chunks, NT * (ch + 1) / chunks, c.data(), ld, tmax.data(),
-                   rm.data() + ch * ld);
-  });
-  return decide(xc, panels, n, NT, tmax.data(), ld, rm.data(), chunks, e2.data(), screened.data());
+  return screen_then_decide(xc, panels, n, NT, ld, NT, e2.data(), screened.data(),
+                            [&](int64_t t0, int64_t t1, float* tmax, float* rm) {
+                              screen_tiles(wp, xq.data(), M, KP, n, t0, t1, c.data(), ld, tmax, rm);
+                            });
 #else
   return linear_argmax_op(x, panels, n);
 #endif

@@ -132,20 +132,13 @@ at::Tensor screened_argmax_lanes(const at::Tensor& x, const at::Tensor& wv, cons
   std::vector<uint16_t> xh(static_cast<size_t>(M * 2 * KP));
   token_bounds(xc.data_ptr<float>(), M, K, 2 * KP, 2 * KP, w_norm, wb_norm, dw_norm, xh.data(), e2.data(),
                screened.data());
-  // The screen: per vocab tile and token, the tile's largest bf16 logit; threads take
-  // contiguous ranges of vocab blocks, each with its own running maxima.
-  const int64_t blocks = NT / RV;
-  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), blocks));
-  std::vector<float> tmax(static_cast<size_t>(NT * ld), -std::numeric_limits<float>::infinity());
-  std::vector<float> rm(static_cast<size_t>(chunks * ld), -std::numeric_limits<float>::infinity());
+  // The screen: per vocab tile and token, the tile's largest bf16 logit, over blocks of RV tiles.
   const auto* wp = reinterpret_cast<const uint16_t*>(wv.data_ptr<at::BFloat16>());
   const auto* xq = reinterpret_cast<const uint32_t*>(xh.data());
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t ch = c0; ch < c1; ++ch)
-      screen_chunk(wp, xq, M, KP, n, blocks * ch / chunks, blocks * (ch + 1) / chunks, ld, tmax.data(),
-                   rm.data() + ch * ld);
-  });
-  return decide(xc, panels, n, NT, tmax.data(), ld, rm.data(), chunks, e2.data(), screened.data());
+  return screen_then_decide(xc, panels, n, NT, ld, NT / RV, e2.data(), screened.data(),
+                            [&](int64_t b0, int64_t b1, float* tmax, float* rm) {
+                              screen_chunk(wp, xq, M, KP, n, b0, b1, ld, tmax, rm);
+                            });
 #else
   return linear_argmax_op(x, panels, n);
 #endif
