@@ -18,10 +18,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one thread, res
 
 
 @needs_kernels
-@pytest.mark.parametrize("k", [1, 7, 256, 257, 600])
+@pytest.mark.parametrize("k", [1, 7, 256, 257, 600, 769, 1600])
 def test_blocked_equals_linear(k):
     """Row counts around the register tile (14 rows with AVX-512, 6 otherwise) and the packed
-    chunk (16 x 14 = 224 / 32 x 6 = 192 rows), K around the 256-step block,
+    chunk (16 x 14 = 224 / 32 x 6 = 192 rows), K around the k blocks (256 steps with AVX-512;
+    with AVX2 one block up to 768, then K split evenly: 769 = 385 + 384, 1600 = 534 + 534 + 532),
     N around the 32-wide panel; strided and contiguous rows; with and without bias. Equal to
     F.linear to fp32 rounding and to the decode panel kernel exactly (so where a product
     switches kernels at PANEL_MAX_ROWS rows, no row's result changes)."""

@@ -6,17 +6,18 @@
 // broadcasts x from MR separate rows. For a prefill chunk that costs 15-30% against MKL sgemm, and
 // the models sent such products to F.linear, which on AMD CPUs is MKL's AVX2 code (MKL does not run
 // its AVX-512 kernels there). This kernel is laid out for compute instead (GotoBLAS / BLIS order):
-// - x is packed per thread, KC k steps at a time, into row tiles of MR rows: tile t holds, for every k,
-//   the MR values x[MR t .. MR t + MR, k] side by side, so the micro-kernel broadcasts from one
-//   contiguous stream (zero rows past M);
-// - the micro-kernel keeps an MR x 32 block of out in 2 * MR vector registers over the whole KC
+// - x is packed per thread, one k block at a time (panels_blocked.h `k_step`: 256 k steps with
+//   AVX-512; with AVX2, K split evenly into blocks of at most 768), into row tiles of MR rows: tile t
+//   holds, for every k, the MR values x[MR t .. MR t + MR, k] side by side, so the micro-kernel
+//   broadcasts from one contiguous stream (zero rows past M);
+// - the micro-kernel keeps an MR x 32 block of out in 2 * MR vector registers over the whole k
 //   block (no scratch round trip), two panel loads and MR broadcast-FMA pairs per k;
-// - for each KC block: for each panel: for each row tile of the thread's chunk: the panel's KC x 32
-//   floats (32 KB) are reused by every row tile from L1/L2, the packed x chunk (RB tiles) stays in L2
-//   (on AVX2, a panel's two 16-column halves each run over all row tiles, so one 16 KB half stays in L1);
+// - for each k block: for each panel: for each row tile of the thread's chunk: the panel's block is
+//   reused by every row tile (AVX-512: 256 x 32 floats, 32 KB, from L1; AVX2: each 16-column half
+//   runs over all row tiles, streaming from L2), the packed x chunk (RB tiles) stays in L2 / L3;
 // - threads split the rows (contiguous ranges of row tiles, at::parallel_for), so each packs only its
 //   own x and no thread waits for another; every thread reads all of W (from the last-level cache).
-// The first KC block writes out (its sum from zero), later ones add to it, the last adds the bias;
+// The first k block writes out (its sum from zero), later ones add to it, the last adds the bias;
 // the last panel's columns past N go through a small stack tile. Each output is one fp32 FMA chain
 // over k in increasing order, then + bias: the same operations as panel_linear, so the two kernels
 // agree bit for bit (a row's result does not depend on how many rows its product has, nor on the
@@ -60,7 +61,7 @@ at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, i
   std::vector<float> bias_pad(b ? static_cast<size_t>(np_ * NR) : 0, 0.f);
   if (b) std::memcpy(bias_pad.data(), b, sizeof(float) * n);
   const float* add = b ? bias_pad.data() : nullptr;
-  const int64_t tiles = (M + MR - 1) / MR;
+  const int64_t tiles = (M + MR - 1) / MR, ks = k_step(K);
 
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> apack(static_cast<size_t>(RB * KC * MR) + 16);
@@ -68,8 +69,8 @@ at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, i
     alignas(64) float tail[MR * NR];
     for (int64_t c0 = t0; c0 < t1; c0 += RB) {
       const int64_t ct = std::min(RB, t1 - c0);
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
+      for (int64_t k0 = 0; k0 < K; k0 += ks) {
+        const int64_t kc = std::min(ks, K - k0);
         const bool last = k0 + kc == K && b;   // the bias joins after the whole sum, as in panel_linear
         pack_rows(xp, ldx, M, c0 * MR, ct, k0, kc, ap);
         for (int64_t p = 0; p < np_; ++p)

@@ -14,8 +14,23 @@ namespace blocked {
 // Rows per register tile: 2 * MR accumulators + 2 panel vectors + 1 broadcast (panels.h: AVX-512's 32
 // zmm hold 14 rows of a whole panel; AVX2's 16 ymm hold 6 rows of half a panel, run once per half).
 constexpr int MR = VW == 16 ? 14 : 6;
-constexpr int64_t KC = 256;     // k steps per block: 32 KB of panel, reused by every row tile
-constexpr int64_t RB = VW == 16 ? 16 : 32;   // row tiles per packed chunk: 224 / 192 rows * 256 k * 4 B (L2)
+// k steps per block, at most: with AVX-512, 256 (a whole panel's block, 32 KB, stays in L1 for every
+// row tile). With AVX2 a half panel streams from L2 anyway, and each k block costs every register
+// tile a load and store of its accumulators, so fewer, longer blocks win: on Zen 3 (one thread,
+// 2048 rows, bench/prefill_gemm's shapes) K = 576 in one block instead of 256 + 256 + 64 took the
+// gate_up product from 77 to 86 GFLOP/s and K = 1536 in two blocks from 85 to 87 (L1 peak: 99).
+constexpr int64_t KC = VW == 16 ? 256 : 768;
+// Row tiles per packed chunk: 224 rows x 256 k (224 KB, L2) with AVX-512; 192 rows with AVX2 (576 KB at
+// 768 k, past Zen 3's 512 KB L2, yet 16 tiles measured no faster there).
+constexpr int64_t RB = VW == 16 ? 16 : 32;
+
+// The k steps of each block for a K-deep product: KC on AVX-512 (the last block takes the rest);
+// on AVX2, K split evenly into the fewest blocks of at most KC (no short tail block).
+inline int64_t k_step(int64_t K) {
+  if (VW == 16 || K <= KC) return std::min(KC, std::max<int64_t>(K, 1));
+  const int64_t blocks = (K + KC - 1) / KC;
+  return (K + blocks - 1) / blocks;
+}
 
 // c[MR, TC] (row stride ldc) = (ACCUM ? c : 0) + a_tile[kc, MR] @ b[kc, TC] (b's rows NR floats apart;
 // + add, TC floats, when not null: the bias, after the last k block); `rows` of the tile's MR are
@@ -84,9 +99,9 @@ inline void panel_block(const float* ap, int64_t ct, int64_t m0, int64_t M, int6
                         float* out, int64_t n, int64_t col, bool first, const float* add, float* tail) {
   const int64_t w = std::min(NR, n - col);
   if (w == NR) {
-    // Column tile outer, row tiles inner: on AVX2 (two 16-column tiles a panel) the L1 then holds
-    // one half panel (kc x 16 floats, 16 KB) beside the row tile streaming past it, where the
-    // whole 32 KB panel plus the tile did not fit Zen 3's 32 KB L1. Same FMAs per output.
+    // Column tile outer, row tiles inner: on AVX2 (two 16-column tiles a panel) each row tile then
+    // reads one half panel (kc x 16 floats) that the previous tile just read, where the whole panel
+    // plus the tile overflowed Zen 3's 32 KB L1 even at kc = 256. Same FMAs per output.
     for (int64_t j = 0; j < NR; j += TC) {
       for (int64_t t = 0; t < ct; ++t) {
         const int64_t m = m0 + t * MR;
