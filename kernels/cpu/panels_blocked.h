@@ -27,7 +27,7 @@ constexpr int64_t RB = VW == 16 ? 16 : 32;
 // The k steps of each block for a K-deep product: KC on AVX-512 (the last block takes the rest);
 // on AVX2, K split evenly into the fewest blocks of at most KC (no short tail block).
 inline int64_t k_step(int64_t K) {
-  if (VW == 16 || K <= KC) return std::min(KC, std::max<int64_t>(K, 1));
+  if (VW == 16 || K <= KC) return KC;   // the callers' min(step, K - k0) ends each product
   const int64_t blocks = (K + KC - 1) / KC;
   return (K + blocks - 1) / blocks;
 }
