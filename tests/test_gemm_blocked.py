@@ -21,17 +21,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # conftest: one thread, res
 @pytest.mark.parametrize("k", [1, 7, 256, 257, 600, 769, 1600])
 def test_blocked_equals_linear(k):
     """Row counts around the register tile (14 rows with AVX-512, 6 otherwise) and the packed
-    chunk (16 x 14 = 224 / 32 x 6 = 192 rows), K around the k blocks (256 steps with AVX-512;
-    with AVX2 one block up to 768, then K split evenly: 769 = 385 + 384, 1600 = 534 + 534 + 532),
-    N around the 32-wide panel; strided and contiguous rows; with and without bias. Equal to
-    F.linear to fp32 rounding and to the decode panel kernel exactly (so where a product
-    switches kernels at PANEL_MAX_ROWS rows, no row's result changes)."""
+    chunk (8 x 14 = 112 / 32 x 6 = 192 rows), K around the k blocks (one block up to 768, then K
+    split evenly: 769 = 385 + 384, 1600 = 534 + 534 + 532), N around the 32-wide panel and the
+    AVX-512 groups of 4 full panels (161: 5 full panels and a partial one; 288: groups of 4, 4, 1);
+    strided and contiguous rows; with and without bias. Equal to F.linear to fp32 rounding and to
+    the decode panel kernel exactly (so where a product switches kernels at PANEL_MAX_ROWS rows, no
+    row's result changes)."""
     gen = torch.Generator().manual_seed(k)
-    for n in (1, 31, 32, 33, 96):
+    for n in (1, 31, 32, 33, 96, 161, 288):
         w = torch.randn(n, k, generator=gen)
         b = torch.randn(n, generator=gen)
         panels = gemm.pack_panels(w)
-        for m in (0, 1, 6, 7, 13, 14, 15, 65, 192, 193, 224, 225, 470):
+        for m in ((0, 1, 6, 7, 13, 14, 15, 65, 112, 113, 192, 193, 224, 225, 470) if n < 100 else (15, 113, 225)):
             wide = torch.randn(m, k + 5, generator=gen)
             for x in (wide[:, 3:3 + k], wide[:, :k].contiguous()):
                 for bias in (None, b):

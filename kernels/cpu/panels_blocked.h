@@ -14,20 +14,25 @@ namespace blocked {
 // Rows per register tile: 2 * MR accumulators + 2 panel vectors + 1 broadcast (panels.h: AVX-512's 32
 // zmm hold 14 rows of a whole panel; AVX2's 16 ymm hold 6 rows of half a panel, run once per half).
 constexpr int MR = VW == 16 ? 14 : 6;
-// k steps per block, at most: with AVX-512, 256 (a whole panel's block, 32 KB, stays in L1 for every
-// row tile). With AVX2 a half panel streams from L2 anyway, and each k block costs every register
-// tile a load and store of its accumulators, so fewer, longer blocks win: on Zen 3 (one thread,
-// 2048 rows, bench/prefill_gemm's shapes) K = 576 in one block instead of 256 + 256 + 64 took the
-// gate_up product from 77 to 86 GFLOP/s and K = 1536 in two blocks from 85 to 87 (L1 peak: 99).
-constexpr int64_t KC = VW == 16 ? 256 : 768;
-// Row tiles per packed chunk: 224 rows x 256 k (224 KB, L2) with AVX-512; 192 rows with AVX2 (576 KB at
-// 768 k, past Zen 3's 512 KB L2, yet 16 tiles measured no faster there).
-constexpr int64_t RB = VW == 16 ? 16 : 32;
+// k steps per block, at most (K split evenly into the fewest blocks of at most KC, no short tail
+// block): each k block costs every register tile a load and store of its accumulators, so fewer,
+// longer blocks win. On Zen 3 (AVX2, one thread, 2048 rows, bench/prefill_gemm's shapes) K = 576 in
+// one block instead of 256 + 256 + 64 took gate_up from 77 to 86 GFLOP/s and K = 1536 in two blocks
+// from 85 to 87 (L1 peak: 99). On AVX-512 the same blocks need the row-tile-outer order below.
+constexpr int64_t KC = 768;
+// Row tiles per packed chunk: 112 rows x 768 k (344 KB, L2) with AVX-512; 192 rows with AVX2 (576 KB,
+// past Zen 3's 512 KB L2, yet 16 tiles measured no faster there).
+constexpr int64_t RB = VW == 16 ? 8 : 32;
+// Full panels per group on AVX-512 (`group_block`): a row tile runs over PG panels before the next
+// tile, so its packed x (kc x 14 floats, 43 KB at kc = 768) is read from L1 / L2 once per group
+// while the group's panels (PG x 96 KB) stream from L2 for every tile of the chunk. With AVX2 the
+// panel-outer order of `panel_block` stays (1: no groups).
+constexpr int64_t PG = VW == 16 ? 4 : 1;
 
-// The k steps of each block for a K-deep product: KC on AVX-512 (the last block takes the rest);
-// on AVX2, K split evenly into the fewest blocks of at most KC (no short tail block).
+// The k steps of each block for a K-deep product: K split evenly into the fewest blocks of at most
+// KC; the callers' min(step, K - k0) ends each product.
 inline int64_t k_step(int64_t K) {
-  if (VW == 16 || K <= KC) return KC;   // the callers' min(step, K - k0) ends each product
+  if (K <= KC) return KC;
   const int64_t blocks = (K + KC - 1) / KC;
   return (K + blocks - 1) / blocks;
 }
@@ -128,6 +133,26 @@ inline void panel_block(const float* ap, int64_t ct, int64_t m0, int64_t M, int6
     }
     if (w != NR)
       for (int i = 0; i < rows; ++i) std::memcpy(out + (m + i) * n + col, tail + i * NR, sizeof(float) * w);
+  }
+}
+
+// One KC block of the full panels [p0, p1) (all NR columns real; `pk` is the first panel's block,
+// panels K * NR floats apart) for `ct` packed row tiles: row tile outer, panels inner (see PG).
+// Same micro-kernel calls as panel_block, in another order: the same sums.
+inline void group_block(const float* ap, int64_t ct, int64_t m0, int64_t M, int64_t kc, const float* pk, int64_t K,
+                        int64_t p0, int64_t p1, float* out, int64_t n, bool first, const float* add) {
+  for (int64_t t = 0; t < ct; ++t) {
+    const int64_t m = m0 + t * MR;
+    const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
+    const float* a = ap + t * kc * MR;
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t j = 0; j < NR; j += TC) {
+        const float* panel = pk + p * K * NR + j;
+        float* c = out + m * n + p * NR + j;
+        const float* aj = add ? add + p * NR + j : nullptr;
+        if (first) micro<false>(a, panel, kc, c, n, aj, rows);
+        else micro<true>(a, panel, kc, c, n, aj, rows);
+      }
   }
 }
 

@@ -37,9 +37,11 @@ namespace zi_quant {
 namespace {
 
 using zooinfer_panels::NR;
-using zooinfer_panels::blocked::KC;
+// Its own blocks (the fp32 GEMM's grew to 768 k steps for packed panels in memory): a dequantized
+// panel of 256 k steps (32 KB) stays in L1 for every row tile of a chunk of 16 tiles (224 rows).
+constexpr int64_t KC = 256;
+constexpr int64_t RB = 16;
 constexpr int BMR = zooinfer_panels::blocked::MR;   // rows per register tile (zi_quant::MR is the decode one)
-using zooinfer_panels::blocked::RB;
 
 // A thread's columns [n0, n1) as its panels are dequantized from: q as 4 or 8 bits (5 / 6-bit
 // storage expanded to int8 q - zero), scale and offset in fp32 transposed to [group][column].
