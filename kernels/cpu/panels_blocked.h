@@ -29,6 +29,13 @@ constexpr int64_t RB = VW == 16 ? 8 : 32;
 // panel-outer order of `panel_block` stays (1: no groups).
 constexpr int64_t PG = VW == 16 ? 4 : 1;
 
+// With AVX-512 the micro-kernel prefetches the panel row this many k steps ahead: in the grouped
+// order a panel streams from L2 through each tile's pass, and on an AVX-512 Xeon (one thread, a
+// standalone copy of the loop, 2048 rows) that took qkv / gate_up / down from 132 / 129 / 121 to
+// 142 / 144 / 131 GFLOP/s (8 to 64 steps ahead all within 2%; prefetching the packed x as well
+// lost 5-8%). A prefetch past the panel's end is only a hint: it never faults.
+constexpr int64_t PF_K = 16;
+
 // The k steps of each block for a K-deep product: K split evenly into the fewest blocks of at most
 // KC; the callers' min(step, K - k0) ends each product.
 inline int64_t k_step(int64_t K) {
@@ -57,6 +64,10 @@ inline void micro(const float* __restrict a, const float* __restrict b, int64_t 
     for (int i = 0; i < MR; ++i) c0[i] = c1[i] = vreg{};
   }
   for (int64_t k = 0; k < kc; ++k) {
+    if constexpr (VW == 16) {   // the panel row PF_K steps ahead (both its lines): see PF_K
+      __builtin_prefetch(b + (k + PF_K) * NR, 0, 3);
+      __builtin_prefetch(b + (k + PF_K) * NR + 16, 0, 3);
+    }
     const vreg b0 = vload(b + k * NR), b1 = vload(b + k * NR + VW);
     const float* ak = a + k * MR;
     for (int i = 0; i < MR; ++i) {
