@@ -66,6 +66,7 @@ at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, i
   if (b) std::memcpy(bias_pad.data(), b, sizeof(float) * n);
   const float* add = b ? bias_pad.data() : nullptr;
   const int64_t tiles = (M + MR - 1) / MR, ks = k_step(K);
+  const int64_t grouped = PG > 1 ? n / NR : 0;   // full panels, run in groups of PG (AVX-512)
 
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> apack(static_cast<size_t>(RB * KC * MR) + 16);
@@ -77,7 +78,6 @@ at::Tensor panel_linear_blocked(const at::Tensor& x, const at::Tensor& panels, i
         const int64_t kc = std::min(ks, K - k0);
         const bool last = k0 + kc == K && b;   // the bias joins after the whole sum, as in panel_linear
         pack_rows(xp, ldx, M, c0 * MR, ct, k0, kc, ap);
-        const int64_t grouped = PG > 1 ? n / NR : 0;   // full panels, in groups of PG (AVX-512)
         for (int64_t p = 0; p < grouped; p += PG)
           group_block(ap, ct, c0 * MR, M, kc, pp + k0 * NR, K, p, std::min(grouped, p + PG), op, n, k0 == 0,
                       last ? add : nullptr);

@@ -152,7 +152,8 @@ inline void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_
     float* d = dst + t * kc * MR;
     int64_t k = 0;
 #if defined(__AVX512F__)
-    if constexpr (MR <= 16) {
+    static_assert(MR <= 16, "a row tile is at most one 16 x 16 transpose wide");
+    {
       const int64_t live = std::clamp<int64_t>(M - (m0 + t * MR), 0, MR);
       const float* src = x + (m0 + t * MR) * ldx + k0;
       const __mmask16 keep = static_cast<__mmask16>((1u << MR) - 1);
@@ -176,6 +177,13 @@ inline void pack_rows(const float* x, int64_t ldx, int64_t M, int64_t m0, int64_
   }
 }
 
+// micro() on one register tile, the first k block (write) or a later one (accumulate)
+inline void tile_product(bool first, const float* a, const float* b, int64_t kc, float* c, int64_t ldc,
+                         const float* add, int rows) {
+  if (first) micro<false>(a, b, kc, c, ldc, add, rows);
+  else micro<true>(a, b, kc, c, ldc, add, rows);
+}
+
 // One KC block of one panel for `ct` packed row tiles (ap, from row m0 on): out[m, col : col + w]
 // = (first ? 0 : out) + tiles @ panel (+ add + col after the last block, when `add` is not null),
 // for the w = min(NR, n - col) real columns; a panel past N goes through the stack tile `tail`.
@@ -191,27 +199,20 @@ inline void panel_block(const float* ap, int64_t ct, int64_t m0, int64_t M, int6
         const int64_t m = m0 + t * MR;
         const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
         const float* a = ap + t * kc * MR;
-        const float* aj = add ? add + col + j : nullptr;
-        if (first) micro<false>(a, panel + j, kc, out + m * n + col + j, n, aj, rows);
-        else micro<true>(a, panel + j, kc, out + m * n + col + j, n, aj, rows);
+        tile_product(first, a, panel + j, kc, out + m * n + col + j, n, add ? add + col + j : nullptr, rows);
       }
     }
     return;
   }
-  for (int64_t t = 0; t < ct; ++t) {
+  for (int64_t t = 0; t < ct; ++t) {   // the last panel, past N: through `tail`
     const int64_t m = m0 + t * MR;
     const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
     const float* a = ap + t * kc * MR;
-    float* c = w == NR ? out + m * n + col : tail;
-    const int64_t ldc = w == NR ? n : NR;
-    if (w != NR && !first)
+    if (!first)
       for (int i = 0; i < rows; ++i) std::memcpy(tail + i * NR, out + (m + i) * n + col, sizeof(float) * w);
-    for (int64_t j = 0; j < NR; j += TC) {
-      if (first) micro<false>(a, panel + j, kc, c + j, ldc, add ? add + col + j : nullptr, rows);
-      else micro<true>(a, panel + j, kc, c + j, ldc, add ? add + col + j : nullptr, rows);
-    }
-    if (w != NR)
-      for (int i = 0; i < rows; ++i) std::memcpy(out + (m + i) * n + col, tail + i * NR, sizeof(float) * w);
+    for (int64_t j = 0; j < NR; j += TC)
+      tile_product(first, a, panel + j, kc, tail + j, NR, add ? add + col + j : nullptr, rows);
+    for (int i = 0; i < rows; ++i) std::memcpy(out + (m + i) * n + col, tail + i * NR, sizeof(float) * w);
   }
 }
 
@@ -225,13 +226,9 @@ inline void group_block(const float* ap, int64_t ct, int64_t m0, int64_t M, int6
     const int rows = static_cast<int>(std::min<int64_t>(MR, M - m));
     const float* a = ap + t * kc * MR;
     for (int64_t p = p0; p < p1; ++p)
-      for (int64_t j = 0; j < NR; j += TC) {
-        const float* panel = pk + p * K * NR + j;
-        float* c = out + m * n + p * NR + j;
-        const float* aj = add ? add + p * NR + j : nullptr;
-        if (first) micro<false>(a, panel, kc, c, n, aj, rows);
-        else micro<true>(a, panel, kc, c, n, aj, rows);
-      }
+      for (int64_t j = 0; j < NR; j += TC)
+        tile_product(first, a, pk + p * K * NR + j, kc, out + m * n + p * NR + j, n, add ? add + p * NR + j : nullptr,
+                     rows);
   }
 }
 
