@@ -36,10 +36,18 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
 def panel_linear_blocked(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
     """`panel_linear` laid out for many rows (prefill chunks, kernels/cpu/panel_gemm_blocked.cpp):
     x packed into 14-row tiles (6 rows and two half-panel passes without AVX-512), the partial
-    sums kept in registers over 256-step k blocks, the rows split between threads. Same panels,
+    sums kept in registers over k blocks of up to 768 steps, the rows split between threads. Same panels,
     same result to fp32 rounding; `kernels.gemm_choice` decides from how many rows it runs, by
     measuring it against MKL at start-up."""
     return torch.ops.zooinfer_cpu.panel_linear_blocked.default(x, panels, n, bias)
+
+
+def panel_linear_blocked_act(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None,
+                             act: int) -> torch.Tensor:
+    """`act_mul(panel_linear_blocked(x, panels, n, bias), act)` for a gate_up weight (`n` = 2I rows,
+    gate first; act 0 silu, 1 gelu_tanh): `[M, I]`, bit for bit the unfused result, without the
+    `[M, 2I]` product ever leaving the cache (each thread's rows run through an L2 scratch)."""
+    return torch.ops.zooinfer_cpu.panel_linear_blocked_act.default(x, panels, n, bias, act)
 
 
 @functools.cache

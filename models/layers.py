@@ -21,6 +21,7 @@ from torch import nn
 import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zooinfer::state_update)
 from attention.ops import paged_attention_op
 from kernels import elementwise as fused   # the fused elementwise CPU kernels
+from models import prepack
 from models.activations import ACTIVATIONS
 
 if TYPE_CHECKING:   # models.spec imports the kind registry, which imports these modules
@@ -264,9 +265,13 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.gated:
             return self.down_proj(self.act(self.up_proj(x)))
+        if self.activation is not None and fused.use_kernel(x):
+            # prefill chunks on blocked panels: the activation in the GEMM's epilogue
+            y = prepack.gate_up_act(self.gate_up_proj, x, fused.ACTIVATIONS[self.activation])
+            if y is None:
+                y = fused.act_mul(self.gate_up_proj(x), self.activation)
+            return self.down_proj(y)
         gate_up = self.gate_up_proj(x)
-        if self.activation is not None and fused.use_kernel(gate_up):
-            return self.down_proj(fused.act_mul(gate_up, self.activation))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -126,6 +126,22 @@ def _packed_matmul(x: torch.Tensor, kind: str, packed: torch.Tensor, weight: tor
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
+def gate_up_act(linear: nn.Module, x: torch.Tensor, act: int) -> torch.Tensor | None:
+    """act(gate) * up (`act`: the act_mul kernel's kind) computed in the blocked panel kernel's
+    epilogue (`gemm.panel_linear_blocked_act`) when `linear` (a gated MLP's gate_up) has blocked
+    panels and x (fp32, eager) has more rows than PANEL_MAX_ROWS; None otherwise (the caller runs
+    the product, then act_mul). Bit for bit the unfused result."""
+    if not isinstance(linear, PackedLinear) or not linear.blocked:
+        return None
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if rows <= PANEL_MAX_ROWS:
+        return None
+    x2 = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(rows, k)
+    out = gemm.panel_linear_blocked_act(x2, linear.packed, linear.out_features, linear.bias, act)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
+
+
 @torch.library.custom_op("zooinfer::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int) -> torch.Tensor:
     """`F.linear(x, weight, bias)` computed with the packed copy of `weight` registered under `key`."""

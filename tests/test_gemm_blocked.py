@@ -1,4 +1,5 @@
 """The prefill GEMM: the blocked panel kernel (`gemm.panel_linear_blocked`) against F.linear,
+its gated-MLP form with the activation in the epilogue (`gemm.panel_linear_blocked_act`),
 the start-up choice between it and MKL (`kernels.gemm_choice`: measured, forced, no library),
 the packed linears taking the chosen path above PANEL_MAX_ROWS rows (the MKL fallback forced on
 included), and engine outputs the same on either path."""
@@ -70,6 +71,75 @@ def test_blocked_k_zero_and_bad_inputs():
         gemm.panel_linear_blocked(torch.randn(80, 8), panels, 70, None)
     with pytest.raises(RuntimeError, match="bias must be float32"):
         gemm.panel_linear_blocked(torch.randn(80, 8), panels, 40, torch.randn(39))
+
+
+@needs_kernels
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k", [7, 576, 769])
+def test_blocked_act_equals_product_then_act_mul(k, threads):
+    """The gate_up product with act(gate) * up in its epilogue equals act_mul on the unfused
+    product bit for bit: rows around the tile and the packed chunk (each thread's scratch), K in
+    one k block or two (the scratch then holds partial sums between blocks), I whole panels or
+    not (the up half starting mid-panel), with and without bias, both activations, one or two
+    threads; gate values over [-20, 20] reach both tails of the activations."""
+    from kernels import elementwise
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(k)
+    for i in (1, 19, 48, 80):
+        w = torch.randn(2 * i, k, generator=gen) * (40 / k ** 0.5)
+        b = torch.randn(2 * i, generator=gen)
+        panels = gemm.pack_panels(w)
+        for m in (0, 1, 13, 65, 112, 113, 225):
+            x = torch.randn(m, k, generator=gen)
+            for bias in (None, b):
+                for act, name in enumerate(("silu", "gelu_tanh")):
+                    want = elementwise.act_mul(gemm.panel_linear_blocked(x, panels, 2 * i, bias), name)
+                    got = gemm.panel_linear_blocked_act(x, panels, 2 * i, bias, act)
+                    assert got.shape == (m, i) and torch.equal(got, want), f"m={m} k={k} I={i} act={name}"
+
+
+@needs_kernels
+def test_blocked_act_k_zero_and_bad_inputs():
+    from kernels import elementwise
+    panels = gemm.pack_panels(torch.randn(40, 0))
+    b = torch.randn(40)
+    want = elementwise.act_mul(b.expand(70, 40).contiguous(), "silu")
+    assert torch.equal(gemm.panel_linear_blocked_act(torch.randn(70, 0), panels, 40, b, 0), want)
+    panels = gemm.pack_panels(torch.randn(41, 8))
+    with pytest.raises(RuntimeError, match="even n, got 41"):
+        gemm.panel_linear_blocked_act(torch.randn(80, 8), panels, 41, None, 0)
+    with pytest.raises(RuntimeError, match="act must be 0 .silu. or 1 .gelu_tanh., got 2"):
+        gemm.panel_linear_blocked_act(torch.randn(80, 8), panels, 40, None, 2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("forced", gemm_choice.CHOICES)
+def test_gated_mlp_fuses_the_activation_on_blocked_panels(monkeypatch, forced):
+    """A gated MLP whose gate_up has blocked panels takes act(gate) * up from the GEMM's epilogue
+    past PANEL_MAX_ROWS rows (decode-sized products and the MKL choice keep product + act_mul);
+    every path gives the unfused module's output exactly."""
+    from types import SimpleNamespace
+
+    from kernels import elementwise
+    from models.layers import GatedMLP
+    from models.spec import MLPSpec
+    monkeypatch.setenv(gemm_choice.ENV, forced)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        mlp = GatedMLP(SimpleNamespace(hidden_size=48, mlp=MLPSpec(40, "silu")))
+        xs = [torch.randn(m, 48) for m in (prepack.PANEL_MAX_ROWS, 150)]
+        assert prepack.prepack_linears(mlp, kind="panel") == 2
+        want = [mlp.down_proj(elementwise.act_mul(mlp.gate_up_proj(x), "silu")) for x in xs]   # unfused
+        calls = []
+        for name in ("panel_linear_blocked_act", "panel_linear_blocked", "panel_linear"):
+            real = getattr(gemm, name)
+            monkeypatch.setattr(gemm, name, lambda *a, _n=name, _r=real: calls.append((_n, a[0].shape[0])) or _r(*a))
+        got = [mlp(x) for x in xs]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    rows = prepack.PANEL_MAX_ROWS
+    small = [("panel_linear", rows), ("panel_linear", rows)]   # gate_up, then down
+    big = [("panel_linear_blocked_act", 150), ("panel_linear_blocked", 150)] if forced == "blocked" else []
+    assert calls == small + big
 
 
 def test_choice_forced_invalid_and_without_library(monkeypatch):

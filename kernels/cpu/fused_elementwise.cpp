@@ -21,8 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include "panels.h"
-#include "vec_exp.h"
+#include "act.h"
 
 #include <algorithm>
 #include <cmath>
@@ -51,15 +50,6 @@ inline float hsum(vf v) {
 
 constexpr int64_t kGrain = 32768;   // output floats per parallel chunk, at least: ATen's GRAIN_SIZE
 inline int64_t grain(int64_t out_per_row) { return std::max<int64_t>(1, kGrain / std::max<int64_t>(1, out_per_row)); }
-
-// act_mul's vectors are the CPU's native width instead: its exp converts between float and int
-// vectors and selects through masks, which GCC lowers lane by lane (scalar code) for a vector
-// type wider than the target's registers; a 16-float vector on an AVX2-only CPU ran act_mul
-// at ~6-7 ns per element. Every step of act_mul is per element, so the width changes no result.
-using zooinfer_panels::VW;   // panels.h: the build's native vector width and its helpers
-using nvf = zooinfer_panels::vreg;
-using zooinfer_panels::vload, zooinfer_panels::vstore, zooinfer_panels::vsplat;
-inline nvf vexp(nvf x) { return zooinfer_vec::exp<nvf, zooinfer_panels::vireg>(x); }   // see vec_exp.h
 
 // A tensor of up to 3 dims seen as rows of its last dim: row i = (i / n1, i % n1).
 struct Rows {
@@ -181,35 +171,8 @@ at::Tensor act_mul(const at::Tensor& gate_up_in, int64_t kind) {
   const float* gp = gu.data_ptr<float>();
   const int64_t gs = gu.stride(0);
   float* op = out.data_ptr<float>();
-  const float beta = static_cast<float>(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
   at::parallel_for(0, n, grain(I), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float* __restrict g = gp + t * gs;
-      const float* __restrict u = g + I;
-      float* __restrict o = op + t * I;
-      int64_t i = 0;
-      if (kind == 0) {
-        for (; i + VW <= I; i += VW) {
-          const nvf x = vload(g + i);
-          vstore(o + i, x / (vsplat(1.f) + vexp(-x)) * vload(u + i));
-        }
-      } else {
-        for (; i + VW <= I; i += VW) {
-          const nvf x = vload(g + i);
-          const nvf y = vsplat(beta) * (x + vsplat(kappa) * (x * x * x));
-          vstore(o + i, x / (vsplat(1.f) + vexp(vsplat(-2.f) * y)) * vload(u + i));
-        }
-      }
-      if (i < I) {   // tail: through a zero-padded vector, so it uses the same exp
-        float gb[VW] = {0.f}, ub[VW] = {0.f}, ob[VW];
-        std::copy(g + i, g + I, gb);
-        std::copy(u + i, u + I, ub);
-        const nvf x = vload(gb);
-        const nvf y = kind == 0 ? -x : vsplat(-2.f) * (vsplat(beta) * (x + vsplat(kappa) * (x * x * x)));
-        vstore(ob, x / (vsplat(1.f) + vexp(y)) * vload(ub));
-        std::copy(ob, ob + (I - i), o + i);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) zooinfer_act::act_row(gp + t * gs, gp + t * gs + I, op + t * I, I, kind);
   });
   return out;
 }
