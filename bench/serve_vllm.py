@@ -21,8 +21,9 @@ Each target gets a fresh server per round, one untimed warm-up request that shar
 with the workload, then vLLM's client (`bench/peers/vllm_bench_client.py`, i.e. `vllm bench
 serve --backend openai --dataset-name random --ignore-eos --temperature 0 ...`) with seed `--seed + round`:
 the same prompts for every target in a round, new ones each round, so no pass has prefix-cache
-hits. Every server runs with `--threads` OpenMP threads, max_num_seqs 64 and 2048 batched
-tokens. Prints each run and, per target, the median over rounds of output tok/s, TTFT p50 and
+hits. Every server runs with `--threads` OpenMP threads and max_num_seqs 64; batched tokens per
+step are each server's own CPU default (ours 1024, runtime.serve's `CPU_BATCHED_TOKENS`; vLLM's
+2048, passed explicitly so a vLLM release that changes it does not change the comparison). Prints each run and, per target, the median over rounds of output tok/s, TTFT p50 and
 TPOT p50, with the ratios to vLLM paired by round, and the CPU milliseconds per output token
 the server's process tree spent during the client's run, split into the engine thread, the
 asyncio (main) thread and the rest (OpenMP workers, vLLM's engine-core process...): CPU time,
@@ -63,11 +64,11 @@ def default_model_dir() -> Path:
 
 def server_command(target: str, args, port: int) -> tuple[list[str], Path]:
     """The command line and working directory that start `target`'s server on `port`."""
-    common = ["--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "64", "--max-num-batched-tokens", "2048"]
+    common = ["--port", str(port), "--host", "127.0.0.1", "--max-num-seqs", "64"]
     if target == "vllm":
         return ([str(venv_python("vllm")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(args.model_dir),
                  "--served-model-name", args.name, "--dtype", "float32", "--uvicorn-log-level", "warning",
-                 *common, *shlex.split(args.vllm_args)], REPO)
+                 *common, "--max-num-batched-tokens", "2048", *shlex.split(args.vllm_args)], REPO)
     cwd = Path(args.baseline) if target == "base" else REPO
     quant = [] if target == "ours-quant" else ["--quantization", "none"]
     return ([sys.executable, "-m", "runtime.serve", args.spec, "--served-model-name", args.name, *quant, *common,

@@ -60,8 +60,17 @@ def test_every_target_runs_the_same_workload_greedy():
     assert server_command("base", args, 8102)[1] == Path("/old")
     vllm, _ = server_command("vllm", args, 8103)
     assert vllm[2:4] == ["vllm.entrypoints.openai.api_server", "--model"] and "float32" in vllm
+    # each server's own CPU default token budget: ours unset (runtime.serve picks 1024), vLLM's 2048
+    assert "--max-num-batched-tokens" not in ours
+    assert vllm[vllm.index("--max-num-batched-tokens") + 1] == "2048"
     client = client_command(args, 8103, 5, Path("r.json"))
     for flag, value in (("--seed", "5"), ("--temperature", "0"), ("--random-input-len", "128"),
                         ("--max-concurrency", "16"), ("--base-url", "http://127.0.0.1:8103")):
         assert client[client.index(flag) + 1] == value
     assert "--ignore-eos" in client
+
+
+def test_server_token_budget_defaults_by_device():
+    from runtime.serve import batched_tokens
+    assert batched_tokens(None, "cpu") == 1024 and batched_tokens(None, "cuda") == 2048
+    assert batched_tokens(512, "cpu") == 512 and batched_tokens(4096, "cuda") == 4096
