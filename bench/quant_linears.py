@@ -11,9 +11,9 @@ of the model's shapes, each weight its own copy (as in the model: a pass streams
   chose it, else F.linear);
 - exact: `kernels.quant_gemm.quant_linear` on the weight in `--format` (fp32 activations);
 - int8act: what `QuantLinear(activations="int8")` runs (`quant_linear_int8_act`: the decode kernel
-  below Q8_GEMM_MIN_ROWS rows, the GEMM-ordered one from there on);
+  below `q8_gemm_min_rows()` rows, the GEMM-ordered one from there on);
 - q8-decode / q8-gemm: either int8-activation kernel alone (decode: at most 16 rows), to place
-  Q8_GEMM_MIN_ROWS.
+  `Q8_GEMM_MIN_ROWS`.
 The paths alternate within every round (order reversed each round) so drift on a shared machine
 hits all; the table gives the median ms per pass and each path's speedup over fp32 (fp32 time / its
 time, median over rounds, paired by round).
@@ -97,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     linears = make_weights(cfg, args.format, torch.Generator().manual_seed(0))
     nweights = sum(w.numel() for w, _, _ in linears)
     print(f"model {label}: {len(linears)} body linears, {nweights / 1e6:.1f}M weights, format {args.format}, "
-          f"threads {args.threads}, median of {args.rounds} rounds (wall), Q8_GEMM_MIN_ROWS "
-          f"{quant_gemm.Q8_GEMM_MIN_ROWS}, int8-activation path "
+          f"threads {args.threads}, median of {args.rounds} rounds (wall), q8_gemm_min_rows "
+          f"{quant_gemm.q8_gemm_min_rows()}, int8-activation path "
           f"{quant_gemm.Q8_ISA_NAMES.get(quant_gemm.q8_best_isa(), 'none')}")
     print(cpu_features.describe())
     print(f"{'rows':>5}" + "".join(f"{p + ' ms':>14}" for p in paths) +

@@ -17,7 +17,7 @@ per 32-block and integer dot products: not exact, within the bound its header st
 `quantize_activations_q8` gives its int8 x for the tests. `quant_linear_q8_gemm`
 (kernels/cpu/quant_gemm_q8.cpp) computes the same formula for any number of rows, laid out as a
 GEMM (16 output columns per register, each N tile's weights unpacked once per block of rows);
-`quant_linear_int8_act` picks between the two by row count (`Q8_GEMM_MIN_ROWS`). Their `isa`:
+`quant_linear_int8_act` picks between the two by row count (`q8_gemm_min_rows`). Their `isa`:
 -1 the best this CPU has (`q8_best_isa`), 2 the AVX-512 VNNI kernels above, 1 AVX2 + FMA
 (kernels/cpu/quant_q8_avx2.cpp: vpmaddubsw, the decode op in row order, the GEMM op in GEMM order
 for 4-bit weights; the path of CPUs without VNNI, and forced by tests on VNNI CPUs). On every
@@ -30,7 +30,10 @@ import functools
 import torch
 
 Q8_MAX_ROWS = 16    # quant_linear_q8 serves decode steps up to this many rows (DECODE_ROWS)
-Q8_GEMM_MIN_ROWS = 8   # from this many rows the GEMM-ordered kernel is faster (bench.quant_linears)
+# From this many rows the GEMM-ordered kernel is faster, per int8 path (`python -m bench.quant_linears
+# --rows 4,5,6,8 --paths q8-decode,q8-gemm`; AMX Xeon, VNNI, 2 threads: 4 rows 6.7 / 7.5 ms, 5 rows
+# 8.6 / 7.6): AVX-512 VNNI 5 (its GEMM runs two column tiles per register tile), AVX2 8.
+Q8_GEMM_MIN_ROWS = {2: 5, 1: 8}
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 
@@ -106,11 +109,17 @@ def quant_linear_int8_act(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor
     return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
 
 
+@functools.cache
+def q8_gemm_min_rows() -> int:
+    """Rows from which this CPU's int8 path runs the GEMM-ordered kernel (`Q8_GEMM_MIN_ROWS`)."""
+    return Q8_GEMM_MIN_ROWS.get(q8_best_isa(), 8)
+
+
 def q8_op(rows: int):
     """The int8-activation op for `rows` rows of x: `quant_linear_q8` (decode) below
-    `Q8_GEMM_MIN_ROWS`, `quant_linear_q8_gemm` from there (the one place that picks)."""
+    `q8_gemm_min_rows()`, `quant_linear_q8_gemm` from there (the one place that picks)."""
     ops = torch.ops.zooinfer_cpu
-    return ops.quant_linear_q8.default if rows < Q8_GEMM_MIN_ROWS else ops.quant_linear_q8_gemm.default
+    return ops.quant_linear_q8.default if rows < q8_gemm_min_rows() else ops.quant_linear_q8_gemm.default
 
 
 def bind(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, zero: int,

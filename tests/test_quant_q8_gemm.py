@@ -98,6 +98,21 @@ def test_gemm_rows_do_not_depend_on_the_batch_nor_the_threads(isa):
 
 @needs_q8
 @pytest.mark.parametrize("isa", ISAS, ids=ISA_IDS)
+def test_gemm_rows_past_a_row_block_equal_those_computed_alone(isa):
+    """K = 576 runs blocks of 1816 rows (AVX-512: the xq of ~1 MB of x, each block unpacking the
+    weights again; AVX2: 64-row blocks): rows on both sides of the first block's end, and a batch of
+    them, give the bits each gives alone."""
+    g = torch.Generator().manual_seed(23)
+    for name in ("int4_asym-5x576", "int8-5x576"):
+        qw = next(c[1] for c in CASES if c[0] == name)
+        x = torch.randn(1830, qw.k, generator=g)
+        full = _gemm(x, qw, isa=isa)
+        for rows in (slice(1810, 1830), [0, 1815, 1816, 1829]):
+            assert torch.equal(_gemm(x[rows], qw, isa=isa), full[rows]), (name, rows)
+
+
+@needs_q8
+@pytest.mark.parametrize("isa", ISAS, ids=ISA_IDS)
 def test_gemm_bias_and_errors(isa):
     from kernels import quant_gemm
     _, qw, _ = WEIGHTS[1]                        # Q4_1
@@ -117,14 +132,14 @@ def test_gemm_bias_and_errors(isa):
 
 @needs_q8
 def test_module_uses_int8_activations_at_every_row_count():
-    """Below Q8_GEMM_MIN_ROWS rows the decode kernel, from there on the GEMM-ordered one: decode
+    """Below `q8_gemm_min_rows()` rows the decode kernel, from there on the GEMM-ordered one: decode
     batches and prefill chunks alike, never the exact fp32 product."""
     from kernels import quant_gemm
     _, qw, _ = WEIGHTS[1]                        # Q4_1
     bias = torch.randn(qw.n)
     lin8, lin32 = QuantLinear(qw, bias, activations="int8"), QuantLinear(qw, bias)
     g = torch.Generator().manual_seed(24)
-    lo = quant_gemm.Q8_GEMM_MIN_ROWS
+    lo = quant_gemm.q8_gemm_min_rows()
     for rows in (1, lo - 1, lo, 16, 17, 300):
         x = torch.randn(rows, qw.k, generator=g)
         op = quant_gemm.quant_linear_q8 if rows < lo else quant_gemm.quant_linear_q8_gemm

@@ -8,14 +8,20 @@
 // - x is quantized once per call (quant_xq.h, natural order; rows in parallel), with, per row, the
 //   exact fp32 group sums (the min / zero term) and, for 8-bit weights, -128 x the sum of each
 //   unit's xq (below);
-// - threads split the columns (N tiles of 16); for each block of MB rows, the weights of a tile
-//   are unpacked once into a small buffer (16 K bytes: L1 / L2) in the VNNI order: for every 4 k,
-//   the 16 columns' 4 weights side by side (one 64-byte vector), next to the tile's scales per
-//   unit and offsets per group;
-// - a register tile of up to RT rows x 16 columns: per 4 k, one vector load of weights and, per row,
-//   one vpdpbusd with that row's 4 xq broadcast (64 products); each unit of U k (32, or 16 where the
-//   group is not a multiple of 32, e.g. Q6_K) ends with cvt + one FMA by scale x dx, each group
-//   with one FMA of its offset (min - zero * scale) by the row's exact group sum.
+// - threads split the columns (pairs of N tiles of 16); for each block of rows (as many as keep
+//   their xq near 1 MB, so in L2: `row_block`), the weights of a tile are unpacked once into a
+//   small buffer (16 K bytes: L1 / L2) in the VNNI order: for every 4 k, the 16 columns' 4 weights
+//   side by side (one 64-byte vector), next to the tile's scales per unit and offsets per group;
+// - a register tile of up to RT2 rows x two tiles (32 columns): per 4 k, two vector loads of
+//   weights and, per row, that row's 4 xq broadcast once into two vpdpbusd (64 products each);
+//   each unit of U k (32, or 16 where the group is not a multiple of 32, e.g. Q6_K) ends with cvt
+//   + one FMA by scale x dx, each group with one FMA of its offset (min - zero * scale) by the
+//   row's exact group sum. A last single tile (an odd count, or fewer than 16 columns) runs a
+//   one-tile register tile of up to RT rows with the same ops per output, so the same bits.
+// Why two tiles: one tile's R rows give R integer chains of U / 4 dependent vpdpbusd, too few to
+// cover its latency (5 cycles, 2 issued a cycle); 2 x 6 chains and a broadcast shared by two
+// products took one thread on an AMX Xeon from 250-290 to 290-380 GOP/s on SmolLM2's shapes at
+// 128-2048 rows (the port's peak, a register-only loop: ~815); 2 x 7 spills.
 // vpdpbusd multiplies unsigned by signed bytes: the broadcast (memory) operand is the signed one, so
 // x stays signed and the weights are the unsigned operand: 4-bit q (0..15) as they are, 8-bit q
 // (int8 formats, 5 / 6 bits expanded to q - zero) plus 128 (the sign bit flipped), the 128 x sum(xq)
@@ -48,7 +54,11 @@ using namespace zi_quant;
 
 constexpr int64_t NT = 16;    // columns per tile: one int32 lane each
 constexpr int RT = 8;         // rows per register tile: 8 int32 + 8 fp32 accumulators
-constexpr int64_t MB = 128;   // rows per block: the weights of a tile are unpacked once per block
+constexpr int64_t MB = 128;   // rows per block at least: the weights of a tile are unpacked once per block
+
+// Rows per block: the xq of up to ~1 MB of x (L2) and at least MB rows, a multiple of RT; each
+// block unpacks every tile again (at 128-row blocks the unpacking took ~12% of the op).
+inline int64_t row_block(int64_t K) { return std::max<int64_t>(MB, ((int64_t(1) << 20) / K) / RT * RT); }
 
 // Per call: x quantized, plus what the min / zero term and the 8-bit correction need.
 struct Prep {
@@ -107,9 +117,25 @@ ZI_VNNI void pack_tile(const QW& t, int64_t c0, int64_t nc, int64_t U, const uin
       }
     }
   }
+  const float z = static_cast<float>(t.zero);
+  if (nc == NT) {                          // a full tile: the 16 columns' scales gathered per group
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(static_cast<int>(ng)));
+    const float* sc = t.scale + c0 * ng;
+    const float* mn = t.minv ? t.minv + c0 * ng : nullptr;
+    const __m512 zv = _mm512_set1_ps(z);
+    for (int64_t g = 0, u = 0; g < ng; ++g) {
+      const __m512 s = _mm512_i32gather_ps(idx, sc + g, 4);
+      for (const int64_t u1 = u + t.group / U; u < u1; ++u) _mm512_store_ps(su + u * NT, s);
+      if (off) {
+        const __m512 m = mn ? _mm512_i32gather_ps(idx, mn + g, 4) : _mm512_setzero_ps();
+        _mm512_store_ps(off + g * NT, _mm512_fnmadd_ps(zv, s, m));   // QW::offset, fused as GCC contracts the scalar form
+      }
+    }
+    return;
+  }
   std::fill(su, su + nu * NT, 0.f);
   if (off) std::fill(off, off + ng * NT, 0.f);
-  const float z = static_cast<float>(t.zero);
   for (int64_t c = 0; c < nc; ++c) {       // no divisions in these loops: they run once per tile and block
     const float* sc = t.scale + (c0 + c) * ng;
     const float* mn = t.minv ? t.minv + (c0 + c) * ng : nullptr;
@@ -175,6 +201,80 @@ ZI_VNNI void rows_block(const uint8_t* wt, const float* su, const float* off, in
   }
 }
 
+// Two column tiles (32 outputs) x R rows: per 4 k, two weight vectors and one broadcast per row feed
+// 2R vpdpbusd, so 2R independent integer chains hide vpdpbusd's latency and each broadcast serves two
+// tiles. Every output is computed by exactly the ops `micro` runs for it, in the same order.
+template <int R, bool EIGHT, int U>
+ZI_VNNI void micro2(const uint8_t* wt0, const float* su0, const float* off0, const uint8_t* wt1, const float* su1,
+                    const float* off1, int64_t K, int64_t G, const Prep& p, int64_t m, float* out, int64_t ldo) {
+  constexpr int S = U / 4;
+  const int64_t nu = K / U, upg = G / U, ng = K / G, ldq = p.xq.ldq, ldd = p.xq.ldd;
+  const int8_t* xq = p.xq.q.data() + m * ldq;
+  const float* dx = p.xq.d.data() + m * ldd;
+  const int32_t* corr = EIGHT ? p.corr.data() + m * nu : nullptr;
+  const float* xsum = off0 ? p.xsum.data() + m * ng : nullptr;
+  __m512 acc0[R], acc1[R];
+  for (int i = 0; i < R; ++i) acc0[i] = _mm512_setzero_ps(), acc1[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int64_t u = g * upg; u < (g + 1) * upg; ++u) {
+      __m512i ia0[R], ia1[R];
+      for (int i = 0; i < R; ++i) {
+        ia0[i] = EIGHT ? _mm512_set1_epi32(corr[i * nu + u]) : _mm512_setzero_si512();
+        ia1[i] = ia0[i];
+      }
+      const uint8_t* w0 = wt0 + u * S * 64;
+      const uint8_t* w1 = wt1 + u * S * 64;
+      for (int s = 0; s < S; ++s) {
+        const __m512i v0 = _mm512_load_si512(w0 + s * 64), v1 = _mm512_load_si512(w1 + s * 64);
+        for (int i = 0; i < R; ++i) {
+          int32_t x4;
+          std::memcpy(&x4, xq + i * ldq + u * U + 4 * s, 4);
+          const __m512i xb = _mm512_set1_epi32(x4);
+          ia0[i] = _mm512_dpbusd_epi32(ia0[i], v0, xb);
+          ia1[i] = _mm512_dpbusd_epi32(ia1[i], v1, xb);
+        }
+      }
+      const __m512 s0 = _mm512_load_ps(su0 + u * NT), s1 = _mm512_load_ps(su1 + u * NT);
+      const int64_t b = u * U / 32;
+      for (int i = 0; i < R; ++i) {
+        const __m512 d = _mm512_set1_ps(dx[i * ldd + b]);
+        acc0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia0[i]), _mm512_mul_ps(s0, d), acc0[i]);
+        acc1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia1[i]), _mm512_mul_ps(s1, d), acc1[i]);
+      }
+    }
+    if (off0) {
+      const __m512 o0 = _mm512_load_ps(off0 + g * NT), o1 = _mm512_load_ps(off1 + g * NT);
+      for (int i = 0; i < R; ++i) {
+        const __m512 xs = _mm512_set1_ps(xsum[i * ng + g]);
+        acc0[i] = _mm512_fmadd_ps(o0, xs, acc0[i]);
+        acc1[i] = _mm512_fmadd_ps(o1, xs, acc1[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    _mm512_storeu_ps(out + (m + i) * ldo, acc0[i]);
+    _mm512_storeu_ps(out + (m + i) * ldo + NT, acc1[i]);
+  }
+}
+
+constexpr int RT2 = 6;        // rows per two-tile register tile: 12 int32 + 12 fp32 accumulators
+
+template <bool EIGHT, int U>
+ZI_VNNI void rows_block2(const uint8_t* wt0, const float* su0, const float* off0, const uint8_t* wt1,
+                         const float* su1, const float* off1, int64_t K, int64_t G, const Prep& p, int64_t m0,
+                         int64_t m1, float* out, int64_t ldo) {
+  for (int64_t m = m0; m < m1; m += RT2) {
+    switch (std::min<int64_t>(RT2, m1 - m)) {
+      case 1: micro2<1, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
+      case 2: micro2<2, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
+      case 3: micro2<3, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
+      case 4: micro2<4, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
+      case 5: micro2<5, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
+      default: micro2<6, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
+    }
+  }
+}
+
 at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
                                 const c10::optional<at::Tensor>& minv, int64_t bits, int64_t group, int64_t zero,
                                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& qh,
@@ -202,27 +302,38 @@ at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const
     if (eight) p.corr.assign(M * p.nu, 0);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { prep_rows(xp, K, G, U, sums, eight, m0, m1, p); });
     float* op = out.data_ptr<float>();
-    const int64_t tiles = (N + NT - 1) / NT;
-    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-      // per thread: one tile's unpacked weights (64-byte aligned), scales and offsets
-      std::unique_ptr<uint8_t[]> wbuf(new uint8_t[NT * K + 64]);
-      uint8_t* wt = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(wbuf.get()) + 63) & ~uintptr_t(63));
-      std::vector<float> sbuf(p.nu * NT + 16), obuf(sums ? p.ng * NT + 16 : 0);
-      float* su = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sbuf.data()) + 63) & ~uintptr_t(63));
-      float* off = sums ? reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(obuf.data()) + 63) & ~uintptr_t(63))
-                        : nullptr;
+    const int64_t pairs = (N + 2 * NT - 1) / (2 * NT), mb = row_block(K);
+    at::parallel_for(0, pairs, 1, [&](int64_t t0, int64_t t1) {
+      // per thread: two tiles' unpacked weights (64-byte aligned), scales and offsets
+      const int64_t wsz = NT * K + 64, ssz = p.nu * NT + 16, osz = sums ? p.ng * NT + 16 : 0;
+      std::unique_ptr<uint8_t[]> wbuf(new uint8_t[2 * wsz]);
+      std::vector<float> sbuf(2 * ssz), obuf(2 * osz);
+      auto align = [](auto* q) { return reinterpret_cast<decltype(q)>((reinterpret_cast<uintptr_t>(q) + 63) & ~uintptr_t(63)); };
+      uint8_t* wt[2] = {align(wbuf.get()), align(wbuf.get() + wsz)};
+      float* su[2] = {align(sbuf.data()), align(sbuf.data() + ssz)};
+      float* off[2] = {sums ? align(obuf.data()) : nullptr, sums ? align(obuf.data() + osz) : nullptr};
       const std::vector<uint8_t> zeros(static_cast<size_t>(std::max<int64_t>(w.row_bytes(), 64)), 0);
-      for_row_tiles(w, 2, t0 * NT, std::min(N, t1 * NT), [&](const QW& t, int64_t r0, int64_t r1) {
-        for (int64_t m0 = 0; m0 < M; m0 += MB) {
-          const int64_t m1 = std::min(M, m0 + MB);
-          for (int64_t c0 = 0; c0 < r1 - r0; c0 += NT) {
-            const int64_t nc = std::min(NT, r1 - r0 - c0);
-            pack_tile(t, c0, nc, U, zeros.data(), wt, su, off);
-            const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
+      for_row_tiles(w, 2, t0 * 2 * NT, std::min(N, t1 * 2 * NT), [&](const QW& t, int64_t r0, int64_t r1) {
+        for (int64_t m0 = 0; m0 < M; m0 += mb) {
+          const int64_t m1 = std::min(M, m0 + mb);
+          for (int64_t c0 = 0; c0 < r1 - r0;) {
             float* o = op + r0 + c0;
-            if (t.bits == 4) rows_block<false, 32>(wt, su, off, K, G, p, m0, m1, o, N, cols);
-            else if (U == 32) rows_block<true, 32>(wt, su, off, K, G, p, m0, m1, o, N, cols);
-            else rows_block<true, 16>(wt, su, off, K, G, p, m0, m1, o, N, cols);
+            if (c0 + 2 * NT <= r1 - r0) {          // two full tiles
+              pack_tile(t, c0, NT, U, zeros.data(), wt[0], su[0], off[0]);
+              pack_tile(t, c0 + NT, NT, U, zeros.data(), wt[1], su[1], off[1]);
+              if (t.bits == 4) rows_block2<false, 32>(wt[0], su[0], off[0], wt[1], su[1], off[1], K, G, p, m0, m1, o, N);
+              else if (U == 32) rows_block2<true, 32>(wt[0], su[0], off[0], wt[1], su[1], off[1], K, G, p, m0, m1, o, N);
+              else rows_block2<true, 16>(wt[0], su[0], off[0], wt[1], su[1], off[1], K, G, p, m0, m1, o, N);
+              c0 += 2 * NT;
+              continue;
+            }
+            const int64_t nc = std::min(NT, r1 - r0 - c0);
+            pack_tile(t, c0, nc, U, zeros.data(), wt[0], su[0], off[0]);
+            const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
+            if (t.bits == 4) rows_block<false, 32>(wt[0], su[0], off[0], K, G, p, m0, m1, o, N, cols);
+            else if (U == 32) rows_block<true, 32>(wt[0], su[0], off[0], K, G, p, m0, m1, o, N, cols);
+            else rows_block<true, 16>(wt[0], su[0], off[0], K, G, p, m0, m1, o, N, cols);
+            c0 += nc;
           }
         }
       });
