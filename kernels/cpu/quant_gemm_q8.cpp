@@ -12,16 +12,16 @@
 //   their xq near 1 MB, so in L2: `row_block`), the weights of a tile are unpacked once into a
 //   small buffer (16 K bytes: L1 / L2) in the VNNI order: for every 4 k, the 16 columns' 4 weights
 //   side by side (one 64-byte vector), next to the tile's scales per unit and offsets per group;
-// - a register tile of up to RT2 rows x two tiles (32 columns): per 4 k, two vector loads of
+// - a register tile of up to RT rows x two tiles (32 columns): per 4 k, two vector loads of
 //   weights and, per row, that row's 4 xq broadcast once into two vpdpbusd (64 products each);
 //   each unit of U k (32, or 16 where the group is not a multiple of 32, e.g. Q6_K) ends with cvt
 //   + one FMA by scale x dx, each group with one FMA of its offset (min - zero * scale) by the
-//   row's exact group sum. A last single tile (an odd count, or fewer than 16 columns) runs a
-//   one-tile register tile of up to RT rows with the same ops per output, so the same bits.
-// Why two tiles: one tile's R rows give R integer chains of U / 4 dependent vpdpbusd, too few to
-// cover its latency (5 cycles, 2 issued a cycle); 2 x 6 chains and a broadcast shared by two
-// products took one thread on an AMX Xeon from 250-290 to 290-380 GOP/s on SmolLM2's shapes at
-// 128-2048 rows (the port's peak, a register-only loop: ~815); 2 x 7 spills.
+//   row's exact group sum. A last single tile (an odd count, or fewer than 16 columns) runs the
+//   same register tile on one tile: the same ops per output, so the same bits.
+// Why two tiles: 8 rows x one tile gave 8 integer chains of U / 4 dependent vpdpbusd, too few to
+// cover its latency (5 cycles, 2 issued a cycle); 6 rows x two tiles (12 chains, a broadcast shared
+// by two products) took one thread on an AMX Xeon from 250-290 to 300-380 GOP/s on SmolLM2's shapes
+// at 32-2048 rows (a register-only loop issues ~815); 7 rows x two tiles spills.
 // vpdpbusd multiplies unsigned by signed bytes: the broadcast (memory) operand is the signed one, so
 // x stays signed and the weights are the unsigned operand: 4-bit q (0..15) as they are, 8-bit q
 // (int8 formats, 5 / 6 bits expanded to q - zero) plus 128 (the sign bit flipped), the 128 x sum(xq)
@@ -53,7 +53,7 @@ namespace {
 using namespace zi_quant;
 
 constexpr int64_t NT = 16;    // columns per tile: one int32 lane each
-constexpr int RT = 8;         // rows per register tile: 8 int32 + 8 fp32 accumulators
+constexpr int RT = 6;         // rows per register tile: 2 x 6 int32 + 2 x 6 fp32 accumulators (7 spills)
 constexpr int64_t MB = 128;   // rows per block at least: the weights of a tile are unpacked once per block
 
 // Rows per block: the xq of up to ~1 MB of x (L2) and at least MB rows, a multiple of RT; each
@@ -146,73 +146,25 @@ ZI_VNNI void pack_tile(const QW& t, int64_t c0, int64_t nc, int64_t U, const uin
   }
 }
 
-// out rows m..m + R, the tile's 16 columns (`cols` of them stored): see the header.
-template <int R, bool EIGHT, int U>
-ZI_VNNI void micro(const uint8_t* wt, const float* su, const float* off, int64_t K, int64_t G, const Prep& p,
-                   int64_t m, float* out, int64_t ldo, __mmask16 cols) {
+// A packed tile (pack_tile's wt, su, off).
+struct Tile {
+  const uint8_t* wt;
+  const float* su;
+  const float* off;
+};
+
+// out rows m..m + R x the 16 columns of `a` (`cols` of them stored) and, with TWO, the 16 after
+// them of `b`: per 4 k, one weight vector per tile and one broadcast per row into one vpdpbusd per
+// tile (see the header). Each output runs the same operations whether its tile is paired or not.
+template <int R, bool EIGHT, int U, bool TWO>
+ZI_VNNI void micro(Tile a, Tile b, int64_t K, int64_t G, const Prep& p, int64_t m, float* out, int64_t ldo,
+                   __mmask16 cols) {
   constexpr int S = U / 4;     // 4-k steps per unit
   const int64_t nu = K / U, upg = G / U, ng = K / G, ldq = p.xq.ldq, ldd = p.xq.ldd;
   const int8_t* xq = p.xq.q.data() + m * ldq;
   const float* dx = p.xq.d.data() + m * ldd;
   const int32_t* corr = EIGHT ? p.corr.data() + m * nu : nullptr;
-  const float* xsum = off ? p.xsum.data() + m * ng : nullptr;
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < ng; ++g) {
-    for (int64_t u = g * upg; u < (g + 1) * upg; ++u) {
-      __m512i ia[R];
-      for (int i = 0; i < R; ++i) ia[i] = EIGHT ? _mm512_set1_epi32(corr[i * nu + u]) : _mm512_setzero_si512();
-      const uint8_t* wu = wt + u * S * 64;
-      for (int s = 0; s < S; ++s) {
-        const __m512i wv = _mm512_load_si512(wu + s * 64);
-        for (int i = 0; i < R; ++i) {
-          int32_t x4;
-          std::memcpy(&x4, xq + i * ldq + u * U + 4 * s, 4);
-          ia[i] = _mm512_dpbusd_epi32(ia[i], wv, _mm512_set1_epi32(x4));
-        }
-      }
-      const __m512 sv = _mm512_load_ps(su + u * NT);
-      const int64_t b = u * U / 32;
-      for (int i = 0; i < R; ++i)
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), _mm512_mul_ps(sv, _mm512_set1_ps(dx[i * ldd + b])), acc[i]);
-    }
-    if (off) {                 // the group ends: its offsets times the rows' exact group sums
-      const __m512 ov = _mm512_load_ps(off + g * NT);
-      for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(ov, _mm512_set1_ps(xsum[i * ng + g]), acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) _mm512_mask_storeu_ps(out + (m + i) * ldo, cols, acc[i]);
-}
-
-template <bool EIGHT, int U>
-ZI_VNNI void rows_block(const uint8_t* wt, const float* su, const float* off, int64_t K, int64_t G, const Prep& p,
-                        int64_t m0, int64_t m1, float* out, int64_t ldo, __mmask16 cols) {
-  for (int64_t m = m0; m < m1; m += RT) {
-    switch (std::min<int64_t>(RT, m1 - m)) {
-      case 1: micro<1, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
-      case 2: micro<2, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
-      case 3: micro<3, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
-      case 4: micro<4, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
-      case 5: micro<5, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
-      case 6: micro<6, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
-      case 7: micro<7, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
-      default: micro<8, EIGHT, U>(wt, su, off, K, G, p, m, out, ldo, cols); break;
-    }
-  }
-}
-
-// Two column tiles (32 outputs) x R rows: per 4 k, two weight vectors and one broadcast per row feed
-// 2R vpdpbusd, so 2R independent integer chains hide vpdpbusd's latency and each broadcast serves two
-// tiles. Every output is computed by exactly the ops `micro` runs for it, in the same order.
-template <int R, bool EIGHT, int U>
-ZI_VNNI void micro2(const uint8_t* wt0, const float* su0, const float* off0, const uint8_t* wt1, const float* su1,
-                    const float* off1, int64_t K, int64_t G, const Prep& p, int64_t m, float* out, int64_t ldo) {
-  constexpr int S = U / 4;
-  const int64_t nu = K / U, upg = G / U, ng = K / G, ldq = p.xq.ldq, ldd = p.xq.ldd;
-  const int8_t* xq = p.xq.q.data() + m * ldq;
-  const float* dx = p.xq.d.data() + m * ldd;
-  const int32_t* corr = EIGHT ? p.corr.data() + m * nu : nullptr;
-  const float* xsum = off0 ? p.xsum.data() + m * ng : nullptr;
+  const float* xsum = a.off ? p.xsum.data() + m * ng : nullptr;
   __m512 acc0[R], acc1[R];
   for (int i = 0; i < R; ++i) acc0[i] = _mm512_setzero_ps(), acc1[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
@@ -220,59 +172,66 @@ ZI_VNNI void micro2(const uint8_t* wt0, const float* su0, const float* off0, con
       __m512i ia0[R], ia1[R];
       for (int i = 0; i < R; ++i) {
         ia0[i] = EIGHT ? _mm512_set1_epi32(corr[i * nu + u]) : _mm512_setzero_si512();
-        ia1[i] = ia0[i];
+        if (TWO) ia1[i] = ia0[i];
       }
-      const uint8_t* w0 = wt0 + u * S * 64;
-      const uint8_t* w1 = wt1 + u * S * 64;
+      const uint8_t* w0 = a.wt + u * S * 64;
+      const uint8_t* w1 = TWO ? b.wt + u * S * 64 : nullptr;
       for (int s = 0; s < S; ++s) {
-        const __m512i v0 = _mm512_load_si512(w0 + s * 64), v1 = _mm512_load_si512(w1 + s * 64);
+        const __m512i v0 = _mm512_load_si512(w0 + s * 64);
+        const __m512i v1 = TWO ? _mm512_load_si512(w1 + s * 64) : v0;
         for (int i = 0; i < R; ++i) {
           int32_t x4;
           std::memcpy(&x4, xq + i * ldq + u * U + 4 * s, 4);
           const __m512i xb = _mm512_set1_epi32(x4);
           ia0[i] = _mm512_dpbusd_epi32(ia0[i], v0, xb);
-          ia1[i] = _mm512_dpbusd_epi32(ia1[i], v1, xb);
+          if (TWO) ia1[i] = _mm512_dpbusd_epi32(ia1[i], v1, xb);
         }
       }
-      const __m512 s0 = _mm512_load_ps(su0 + u * NT), s1 = _mm512_load_ps(su1 + u * NT);
-      const int64_t b = u * U / 32;
+      const __m512 s0 = _mm512_load_ps(a.su + u * NT), s1 = TWO ? _mm512_load_ps(b.su + u * NT) : s0;
+      const int64_t blk = u * U / 32;
       for (int i = 0; i < R; ++i) {
-        const __m512 d = _mm512_set1_ps(dx[i * ldd + b]);
+        const __m512 d = _mm512_set1_ps(dx[i * ldd + blk]);
         acc0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia0[i]), _mm512_mul_ps(s0, d), acc0[i]);
-        acc1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia1[i]), _mm512_mul_ps(s1, d), acc1[i]);
+        if (TWO) acc1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia1[i]), _mm512_mul_ps(s1, d), acc1[i]);
       }
     }
-    if (off0) {
-      const __m512 o0 = _mm512_load_ps(off0 + g * NT), o1 = _mm512_load_ps(off1 + g * NT);
+    if (a.off) {               // the group ends: its offsets times the rows' exact group sums
+      const __m512 o0 = _mm512_load_ps(a.off + g * NT), o1 = TWO ? _mm512_load_ps(b.off + g * NT) : o0;
       for (int i = 0; i < R; ++i) {
         const __m512 xs = _mm512_set1_ps(xsum[i * ng + g]);
         acc0[i] = _mm512_fmadd_ps(o0, xs, acc0[i]);
-        acc1[i] = _mm512_fmadd_ps(o1, xs, acc1[i]);
+        if (TWO) acc1[i] = _mm512_fmadd_ps(o1, xs, acc1[i]);
       }
     }
   }
   for (int i = 0; i < R; ++i) {
-    _mm512_storeu_ps(out + (m + i) * ldo, acc0[i]);
-    _mm512_storeu_ps(out + (m + i) * ldo + NT, acc1[i]);
+    _mm512_mask_storeu_ps(out + (m + i) * ldo, cols, acc0[i]);
+    if (TWO) _mm512_storeu_ps(out + (m + i) * ldo + NT, acc1[i]);
   }
 }
 
-constexpr int RT2 = 6;        // rows per two-tile register tile: 12 int32 + 12 fp32 accumulators
-
-template <bool EIGHT, int U>
-ZI_VNNI void rows_block2(const uint8_t* wt0, const float* su0, const float* off0, const uint8_t* wt1,
-                         const float* su1, const float* off1, int64_t K, int64_t G, const Prep& p, int64_t m0,
-                         int64_t m1, float* out, int64_t ldo) {
-  for (int64_t m = m0; m < m1; m += RT2) {
-    switch (std::min<int64_t>(RT2, m1 - m)) {
-      case 1: micro2<1, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
-      case 2: micro2<2, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
-      case 3: micro2<3, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
-      case 4: micro2<4, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
-      case 5: micro2<5, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
-      default: micro2<6, EIGHT, U>(wt0, su0, off0, wt1, su1, off1, K, G, p, m, out, ldo); break;
+template <bool EIGHT, int U, bool TWO>
+ZI_VNNI void rows_block(Tile a, Tile b, int64_t K, int64_t G, const Prep& p, int64_t m0, int64_t m1, float* out,
+                        int64_t ldo, __mmask16 cols) {
+  for (int64_t m = m0; m < m1; m += RT) {
+    switch (std::min<int64_t>(RT, m1 - m)) {
+      case 1: micro<1, EIGHT, U, TWO>(a, b, K, G, p, m, out, ldo, cols); break;
+      case 2: micro<2, EIGHT, U, TWO>(a, b, K, G, p, m, out, ldo, cols); break;
+      case 3: micro<3, EIGHT, U, TWO>(a, b, K, G, p, m, out, ldo, cols); break;
+      case 4: micro<4, EIGHT, U, TWO>(a, b, K, G, p, m, out, ldo, cols); break;
+      case 5: micro<5, EIGHT, U, TWO>(a, b, K, G, p, m, out, ldo, cols); break;
+      default: micro<6, EIGHT, U, TWO>(a, b, K, G, p, m, out, ldo, cols); break;
     }
   }
+}
+
+// Tiles a (and b, with TWO) over rows [m0, m1): the template for the weights' bits and unit.
+template <bool TWO>
+ZI_VNNI void run_tiles(int64_t bits, int64_t U, Tile a, Tile b, int64_t K, int64_t G, const Prep& p, int64_t m0,
+                       int64_t m1, float* out, int64_t ldo, __mmask16 cols) {
+  if (bits == 4) rows_block<false, 32, TWO>(a, b, K, G, p, m0, m1, out, ldo, cols);
+  else if (U == 32) rows_block<true, 32, TWO>(a, b, K, G, p, m0, m1, out, ldo, cols);
+  else rows_block<true, 16, TWO>(a, b, K, G, p, m0, m1, out, ldo, cols);
 }
 
 at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& scale,
@@ -318,22 +277,18 @@ at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const
           const int64_t m1 = std::min(M, m0 + mb);
           for (int64_t c0 = 0; c0 < r1 - r0;) {
             float* o = op + r0 + c0;
+            const Tile a{wt[0], su[0], off[0]}, b{wt[1], su[1], off[1]};
             if (c0 + 2 * NT <= r1 - r0) {          // two full tiles
               pack_tile(t, c0, NT, U, zeros.data(), wt[0], su[0], off[0]);
               pack_tile(t, c0 + NT, NT, U, zeros.data(), wt[1], su[1], off[1]);
-              if (t.bits == 4) rows_block2<false, 32>(wt[0], su[0], off[0], wt[1], su[1], off[1], K, G, p, m0, m1, o, N);
-              else if (U == 32) rows_block2<true, 32>(wt[0], su[0], off[0], wt[1], su[1], off[1], K, G, p, m0, m1, o, N);
-              else rows_block2<true, 16>(wt[0], su[0], off[0], wt[1], su[1], off[1], K, G, p, m0, m1, o, N);
+              run_tiles<true>(t.bits, U, a, b, K, G, p, m0, m1, o, N, 0xFFFF);
               c0 += 2 * NT;
-              continue;
+            } else {                               // the last one, of up to 16 columns
+              const int64_t nc = std::min(NT, r1 - r0 - c0);
+              pack_tile(t, c0, nc, U, zeros.data(), wt[0], su[0], off[0]);
+              run_tiles<false>(t.bits, U, a, a, K, G, p, m0, m1, o, N, static_cast<__mmask16>((1u << nc) - 1));
+              c0 += nc;
             }
-            const int64_t nc = std::min(NT, r1 - r0 - c0);
-            pack_tile(t, c0, nc, U, zeros.data(), wt[0], su[0], off[0]);
-            const __mmask16 cols = static_cast<__mmask16>((1u << nc) - 1);
-            if (t.bits == 4) rows_block<false, 32>(wt[0], su[0], off[0], K, G, p, m0, m1, o, N, cols);
-            else if (U == 32) rows_block<true, 32>(wt[0], su[0], off[0], K, G, p, m0, m1, o, N, cols);
-            else rows_block<true, 16>(wt[0], su[0], off[0], K, G, p, m0, m1, o, N, cols);
-            c0 += nc;
           }
         }
       });
