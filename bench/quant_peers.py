@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--engines", default="llamacpp,ours-fp32,ours-gguf,ours-gguf-q8")
     ap.add_argument("--skip-batch", action="store_true", help="batch 1 only")
+    ap.add_argument("--llamacpp-extra-bufts", action=argparse.BooleanOptionalAction, default=True,
+                    help="llama.cpp's repacked weight buffers (its AMX kernels on AMX CPUs); --no-... where "
+                         "that path crashes (llama-cpp-python 0.3.36 on a KVM AMX Xeon: segfault at the first decode)")
     args = ap.parse_args(argv)
     wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
     unknown = [e for e in wanted if e != "llamacpp" and e not in VARIANTS]
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         engines: dict = {}
         if "llamacpp" in wanted:
             engines["llamacpp"] = Peer("llamacpp", hf_dir, model_key(hf_dir), prompts, new, args.threads,
-                                       max_len, options={"gguf": str(gguf)})
+                                       max_len, options={"gguf": str(gguf), "extra_bufts": args.llamacpp_extra_bufts})
             print(f"llamacpp: {engines['llamacpp'].version}", flush=True)
         engines.update(ours)
         try:

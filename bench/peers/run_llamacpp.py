@@ -137,6 +137,9 @@ def load(wl: dict):
         write_gguf(wl["model_dir"], path)
     llama_cpp.llama_backend_init()
     mp = llama_cpp.llama_model_default_params()
+    # llama.cpp's extra CPU buffer types repack weights for its AMX / other ISA kernels; 0.3.36's AMX
+    # repack segfaults at the first decode on a KVM AMX Xeon (bench/quant_peers.py --no-llamacpp-extra-bufts)
+    mp.use_extra_bufts = bool(opts.get("extra_bufts", True))
     model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {path}")
