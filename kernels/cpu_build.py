@@ -9,8 +9,10 @@ seconds) or loads the cached library from `$ZOOINFER_CACHE/torch_extensions` (de
 The library is built with `-march=native` (the cache directory is keyed by a hash of the
 CPU's feature flags and the torch version, so a home directory shared between different
 machines never loads code built for another CPU); if that build fails it retries with
-plain `-O3`; if that fails too it warns once and `available()` stays False, so callers fall
-back to their torch path. Under that directory each build has its own folder, named by a
+plain `-O3`, with a RuntimeWarning naming the error (`native_build_error()`; the ISA-specific
+kernel paths are then off, which would otherwise show only as a slow run; a test asserts the
+native build on x86-64); if that fails too it warns once and `available()` stays False, so
+callers fall back to their torch path. Under that directory each build has its own folder, named by a
 digest of the sources (headers included): two checkouts with different kernels (a bench
 comparing two commits, a worktree beside main) each keep their build, where one shared
 folder was rebuilt on every alternation (80-140 s per server start). The `KEEP_BUILDS`
@@ -161,6 +163,10 @@ def _build() -> None:
                 os.utime(build_dir)          # most recently used: pruning keeps it
             _state["library"] = str(build_dir / f"{name}.so")
             prune_builds(build_dir.parent, name)
+            if errors:      # the portable library works, but every ISA-specific kernel path is off
+                _state["native_error"] = errors[0]
+                warnings.warn(f"zooinfer: the -march=native kernel build failed, running the portable one "
+                              f"(slower): {errors[0]}", RuntimeWarning, stacklevel=3)
             return
         except Exception as e:   # noqa: BLE001 - any build failure means "use the fallback"
             errors.append(f"{' '.join(arch) or 'plain -O3'}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}")
@@ -197,6 +203,11 @@ def amx_available() -> bool:
 def build_seconds() -> float | None:
     """Seconds the first `available()` spent building or loading the library (None before)."""
     return _state.get("seconds")
+
+
+def native_build_error() -> str | None:
+    """Why the `-march=native` build failed where the portable retry was loaded (None if it did not)."""
+    return _state.get("native_error")
 
 
 def library_path() -> str | None:

@@ -5,10 +5,13 @@ pruning of old folders."""
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+import pytest
 
 from kernels import cpu_build
 from kernels.cpu_build import build_lock, prune_builds, source_key
@@ -98,3 +101,12 @@ def test_pinned_switch_reads_the_environment_once_per_scope(monkeypatch):
         t.join()
         assert cpu_build.enabled()
     assert seen == [False]
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or not cpu_build.available(),
+                    reason="the native build is checked on x86-64 with the kernels built")
+def test_the_native_build_is_the_one_loaded():
+    """On x86-64 with GCC every kernel compiles under -march=native; a compile error on this CPU's
+    ISA would otherwise only fall back to the portable library, visible as a slow run."""
+    assert cpu_build.native_build_error() is None, cpu_build.native_build_error()
+    assert "zooinfer_cpu_native" in Path(cpu_build.library_path()).name
