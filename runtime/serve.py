@@ -13,7 +13,6 @@ import argparse
 import logging
 import socket
 import sys
-import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -24,7 +23,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runtime import responses_api, tokenize_api, vllm_routes
-from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from runtime.async_engine import AsyncEngine, EngineDeadError, RequestFailedError, on_short_lived_thread
 from runtime.http_guards import ApiKeyAuth, BodyGuard, RequestIdHeader, RootPath, SafeJSONResponse
 from runtime.limits import short_repr
 from runtime.metrics import ServerMetrics
@@ -104,29 +103,6 @@ def build_app(engine: AsyncEngine, model_name: str, metrics: ServerMetrics | Non
     return app
 
 
-def _off_main_thread(fn):
-    """Run `fn` (building the engine, warming it up) on a short-lived thread and return its
-    result or raise its exception. torch's CPU ops run on an OpenMP thread team that belongs to
-    the thread that calls them and lives as long as it does. Built on the main thread, the engine
-    left a team there beside the engine thread's; libgomp, finding more of its threads than
-    cores, then only briefly spins between parallel regions and puts the workers to sleep, and
-    every region of every step woke them again: served decode ran 40% slower than offline with
-    0.4 cores idle (README, "Measured here", Zen 5). Built here, the team ends with this thread
-    and the engine thread's is the only one."""
-    box: dict = {}
-
-    def run():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread
-            box["error"] = e
-
-    t = threading.Thread(target=run, name="zooinfer-load")
-    t.start()
-    t.join()
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
 
 
 # The server's default token budget per step. On CPU a prefill's GEMMs reach their full rate by a few
@@ -243,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                               preemption_mode=args.preemption_mode, swap_min_tokens=args.swap_min_tokens,
                               max_logprobs=args.max_logprobs,
                               speculative=args.speculative_config, quantization=args.quantization)
-        engine = _off_main_thread(lambda: Engine(args.model, config))
+        engine = on_short_lived_thread(lambda: Engine(args.model, config))
     except (SpecError, WeightError, ValueError, RuntimeError, ModuleNotFoundError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sock.close()
@@ -251,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     name = args.served_model_name or engine.spec.name
     metrics = ServerMetrics(name)
     t0 = time.perf_counter()
-    _off_main_thread(lambda: engine.warm_up(SamplingParams(temperature=0, max_tokens=2)))
+    on_short_lived_thread(lambda: engine.warm_up(SamplingParams(temperature=0, max_tokens=2)))
     warm = "warm-up + compile" if args.compile else "warm-up"
     timings = {**engine.startup_seconds, warm: time.perf_counter() - t0}
     for phase, secs in timings.items():

@@ -215,12 +215,12 @@ def _os_threads() -> int:
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux /proc to count threads")
 def test_engine_is_built_on_a_thread_that_takes_its_openmp_team_with_it():
-    """runtime.serve builds and warms the engine on a short-lived thread: the OpenMP team its
+    """runtime.serve builds and warms the engine on a short-lived thread (async_engine.on_short_lived_thread): the OpenMP team its
     ops start ends with it, so the engine thread's team is the only one (two teams on 2 cores
     made libgomp put its workers to sleep between regions: 0.4 idle cores, served decode 40%
     slower). The helper returns the value, re-raises the error, and leaves no worker behind."""
     import torch
-    from runtime.serve import _off_main_thread
+    from runtime.async_engine import on_short_lived_thread
     before, threads = _os_threads(), torch.get_num_threads()
     seen = []
 
@@ -233,7 +233,7 @@ def test_engine_is_built_on_a_thread_that_takes_its_openmp_team_with_it():
         return float(a.sum())
 
     try:
-        value = _off_main_thread(work)
+        value = on_short_lived_thread(work)
         deadline = time.monotonic() + 5
         while _os_threads() > before and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -242,4 +242,4 @@ def test_engine_is_built_on_a_thread_that_takes_its_openmp_team_with_it():
         torch.set_num_threads(threads)
     assert isinstance(value, float) and seen == ["zooinfer-load"]
     with pytest.raises(ValueError, match="bad spec"):
-        _off_main_thread(lambda: (_ for _ in ()).throw(ValueError("bad spec")))
+        on_short_lived_thread(lambda: (_ for _ in ()).throw(ValueError("bad spec")))
