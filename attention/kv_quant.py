@@ -1,6 +1,6 @@
 """Int8 KV pages in torch: the scales next to the data, quantize on store, dequantize on read.
 
-The torch reference (and fallback) for what kernels/cpu/kv_write.cpp, paged_decode.cpp and
+The torch reference (and fallback) for what zooinfer_kernels/cpu/kv_write.cpp, paged_decode.cpp and
 paged_prefill.cpp do with an int8 cache (cache/kv_dtype.py); both write identical bytes.
 
 Why per-(token, kv head) scales, not per (block, head): a block fills one token at a time

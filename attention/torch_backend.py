@@ -3,7 +3,7 @@
 One call serves a batch mixing prefill chunks and decodes. The plan splits the batch once
 per step into
 - decodes (one query token): on CPU, attention straight from the pages with no gather and
-  no padding. float32 decodes run in the C++ kernel `kernels.paged_attention.paged_decode`
+  no padding. float32 decodes run in the C++ kernel `zooinfer_kernels.paged_attention.paged_decode`
   when the library built (one token-major pass over each request's pages;
   `ZOOINFER_CPU_KERNELS=0` turns it off); otherwise the sparse path: every key of
   every request is a row of the cache seen as `[rows, head_dim]`, so the scores are a
@@ -12,7 +12,7 @@ per step into
   weighted `embedding_bag` over the matching value rows. Each byte of K and V in context is
   read once; the gather + padded-SDPA path read it three times plus padding.
 - the rest (prefill chunks, several tokens after a preemption): on CPU, float32, when the
-  C++ library built, `kernels.paged_attention.paged_prefill`: varlen causal attention
+  C++ library built, `zooinfer_kernels.paged_attention.paged_prefill`: varlen causal attention
   straight from the pages, bottom-right aligned (earlier chunks and prefix hits live only in
   the pages), each query tile reading only the keys it can see: no padding to the longest
   chunk, no masked upper triangle (`python -m bench.cpu_attention` measures both against
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build, paged_attention
+from zooinfer_kernels import cpu_build, paged_attention
 from attention import kv_quant
 from attention.backend import AttentionBackend, BatchLayout
 
@@ -194,7 +194,7 @@ class TorchAttentionBackend(AttentionBackend):
         if len(decode) and device.type == "cpu":
             decodes = _Decodes(token_index=torch.from_numpy(layout.query_start_loc[decode].astype(np.int64)).to(device),
                                rows=decode, layout=layout)
-            if cpu_build.available():   # float32 decodes then run in kernels/cpu/paged_decode.cpp (one pass over the pages)
+            if cpu_build.available():   # float32 decodes then run in zooinfer_kernels/cpu/paged_decode.cpp (one pass over the pages)
                 decodes.kernel = (layout.block_table, torch.from_numpy(decode.astype(np.int64)),
                                   torch.from_numpy(layout.seq_lens[decode].astype(np.int64)), layout.sliding_window)
         elif len(decode):

@@ -8,7 +8,7 @@ The batch is what the tiny Llama of `bench.throughput` sees in steady decode: N 
 ~`--ctx` tokens (uniform in ctx +- 40), 16-token pages in shuffled blocks of one float32
 layer cache. Each path is timed on the same batch, interleaved rep by rep (the machine is
 shared and noisy), medians printed with ratios to the kernel:
-- kernel: `paged_attention.paged_decode` (kernels/cpu/paged_decode.cpp);
+- kernel: `paged_attention.paged_decode` (zooinfer_kernels/cpu/paged_decode.cpp);
 - sparse: the torch backend's `sampled_addmm` + softmax + `embedding_bag` decode path;
 - padded: page gather + padded SDPA (`_make_part` planned once, as the backend does).
 One layer's cache of this batch fits a server's last-level cache, which a model's 30 layers do
@@ -18,7 +18,7 @@ Per-step planning is shown apart (`plan`: once per step per KV group, shared by 
 the sparse path also builds its CSR pattern once per step (`pattern`).
 The K/V write of `forward` is the same for every path and left out.
 
-`--prefill` times the non-decode path instead: `paged_attention.paged_prefill` (kernels/cpu/
+`--prefill` times the non-decode path instead: `paged_attention.paged_prefill` (zooinfer_kernels/cpu/
 paged_prefill.cpp) vs the padded SDPA (page gather, queries padded to the longest chunk,
 [n, max_q, keys] mask), on a step of fresh 64-256-token prompts filling a 2048-token budget
 (tiny Llama shapes 8/8 heads x 32 and SmolLM2's 9/3 x 64), and the same chunks after a
@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from attention import BatchLayout, get_backend
-from kernels import cpu_build, paged_attention
+from zooinfer_kernels import cpu_build, paged_attention
 from attention.torch_backend import _decode_pattern, _make_part
 
 

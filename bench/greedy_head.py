@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build, cpu_features, gemm, lm_head
+from zooinfer_kernels import cpu_build, cpu_features, gemm, lm_head
 
 HEADS = {"tiny": (32000, 256), "smollm2": (49152, 576)}
 

@@ -28,7 +28,7 @@ import torch
 from bench.cpu_attention import make_batch
 from cache.kv_cache_spec import FullAttentionSpec
 from cache.sizing import make_kv_cache_config, requests_that_fit
-from kernels import cpu_build, paged_attention
+from zooinfer_kernels import cpu_build, paged_attention
 
 SPEC = "zoo/smollm2-135m.yaml"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}

@@ -9,7 +9,7 @@ times on the same x and weight; the table gives GFLOP/s from the median time and
 ratio to MKL. At one thread the time is the thread's CPU time (`time.thread_time`), so a busy
 shared machine, which only delays a thread, changes it far less than the wall clock (it
 still shares the caches); with more threads it is the wall clock (best of the rounds). The
-capability line (`kernels.cpu_features.describe()`, with the start-up probe's choice) heads the
+capability line (`zooinfer_kernels.cpu_features.describe()`, with the start-up probe's choice) heads the
 table, so a reader sees which path the engine takes on this CPU.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build, cpu_features, gemm
+from zooinfer_kernels import cpu_build, cpu_features, gemm
 
 
 def layer_shapes(cfg: dict) -> dict[str, tuple[int, int]]:

@@ -22,7 +22,7 @@ phases are exact without syncs. A step splits into
 - update:   the rest of `Engine.step` (`Scheduler.update`, outputs, detokenizer)
 and engine overhead = everything but the forward (the LM head is counted in `sample`, and
 shown on its own as `lm_head`, since it is model compute that only the sampled rows need;
-when a greedy step takes its tokens from a fused head kernel (`kernels.lm_head.GreedyHead`),
+when a greedy step takes its tokens from a fused head kernel (`zooinfer_kernels.lm_head.GreedyHead`),
 `lm_head` includes that kernel's argmax).
 
 `--against REF` runs every measurement twice in the same process, alternating: once as
@@ -143,7 +143,7 @@ class StepTimer:
                 self._cur.lm_head += clock() - t0
             return out
 
-        from kernels import lm_head
+        from zooinfer_kernels import lm_head
 
         def timed(kernel):   # the fused LM head + argmax kernels: counted as the LM head
             def run(*args):

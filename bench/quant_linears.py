@@ -9,7 +9,7 @@ of the model's shapes, each weight its own copy (as in the model: a pass streams
 - fp32: the engine's float32 product on packed panels (models/prepack.py `_packed_matmul`: the
   panel kernel up to PANEL_MAX_ROWS rows, past them the blocked kernel where the start-up probe
   chose it, else F.linear);
-- exact: `kernels.quant_gemm.quant_linear` on the weight in `--format` (fp32 activations);
+- exact: `zooinfer_kernels.quant_gemm.quant_linear` on the weight in `--format` (fp32 activations);
 - int8act: what `QuantLinear(activations="int8")` runs (`quant_linear_int8_act`: the decode kernel
   below `q8_gemm_min_rows()` rows, the GEMM-ordered one from there on);
 - q8-decode / q8-gemm: either int8-activation kernel alone (decode: at most 16 rows), to place
@@ -29,7 +29,7 @@ import time
 import torch
 
 from bench.prefill_gemm import layer_shapes
-from kernels import cpu_build, cpu_features, gemm, gemm_choice, quant_gemm
+from zooinfer_kernels import cpu_build, cpu_features, gemm, gemm_choice, quant_gemm
 
 PATHS = ("fp32", "exact", "int8act", "q8-decode", "q8-gemm")
 

@@ -10,7 +10,7 @@ runs the same weights dequantized. Two workloads, each timed for every engine in
 - batch 1: one 32-token prompt, ``--decode-tokens`` greedy tokens (tok/s counts the new tokens,
   the prompt's prefill included in the time, the same for every engine);
 - the throughput workload of ``bench.throughput`` (64 requests, prompts 64-256, 64 new tokens).
-Every engine runs with ``--threads`` threads. Prints the CPU (kernels/cpu_features.py), median
+Every engine runs with ``--threads`` threads. Prints the CPU (zooinfer_kernels/cpu_features.py), median
 tok/s with min-max, the paired ratios, and how many outputs equal llama.cpp's.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 
 from bench.peers.compare import agreement, paired_speedup
 from bench.throughput import Peer, hf_dir_for, make_workload, model_key, resolve_model
-from kernels import cpu_features
+from zooinfer_kernels import cpu_features
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"ours-fp32": ("none", "float32"), "ours-gguf": ("gguf", "float32"), "ours-gguf-q8": ("gguf", "int8")}

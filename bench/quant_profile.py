@@ -82,11 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quant-head", action=argparse.BooleanOptionalAction, default=True,
-                    help="greedy steps on the quantized head's screen (kernels/quant_head.py); "
+                    help="greedy steps on the quantized head's screen (zooinfer_kernels/quant_head.py); "
                          "--no-quant-head: logits then argmax, as before it")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    from kernels import lm_head
+    from zooinfer_kernels import lm_head
     from runtime.sampling_params import SamplingParams
     llm = build(args.model, args.quantization, args.activations)
     engine = llm.engine

@@ -49,7 +49,7 @@ import httpx
 
 from bench.peers import HERE as PEERS_DIR, is_installed, venv_python
 from bench.serve_offline import cpu_delta, thread_cpu_seconds
-from kernels import cpu_features
+from zooinfer_kernels import cpu_features
 
 SAMPLE_S = 0.25     # seconds between samples of the cores each side uses while the client runs
 REPO = Path(__file__).resolve().parent.parent

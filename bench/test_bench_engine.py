@@ -8,7 +8,7 @@ per-token latency at batch 1 and 32, prefix caching on and off, and the step bre
 Not collected by the default `pytest` run (testpaths = ["tests"]). Every benchmark checks
 what it ran (output counts, all-decode steps, cache hit rates), and its `extra_info` carries
 the rate it stands for (tok/s, TTFT or per-token ms), the CPU model, its flags and the kernel
-paths (`kernels.cpu_features`), so a saved run says which path it measured.
+paths (`zooinfer_kernels.cpu_features`), so a saved run says which path it measured.
 ZOOINFER_BENCH_THREADS sets the torch threads (default 1: the machines are shared).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from bench.peers import VENV_PEERS, is_installed
 from bench.prefix_cache import run as run_prefix_workload
 from bench.profile_step import StepTimer, make_engine, prefill_to_decode, summarize
 from bench.throughput import TINY_LLAMA, Peer, ensure_tiny_llama, make_workload, model_key
-from kernels import cpu_features, lm_head
+from zooinfer_kernels import cpu_features, lm_head
 
 THREADS = int(os.environ.get("ZOOINFER_BENCH_THREADS", "1"))
 REQUESTS, NEW_TOKENS = 32, 32          # the offline workload: prompts 64-256 tokens

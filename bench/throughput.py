@@ -62,7 +62,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from kernels import cpu_features  # noqa: E402
+from zooinfer_kernels import cpu_features  # noqa: E402
 
 TINY_LLAMA = dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=8, vocab_size=32000, max_position_embeddings=1024,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cache.kv_cache_spec import KVCacheSpec
-from kernels.lm_head import GreedyHead
+from zooinfer_kernels.lm_head import GreedyHead
 from models.kinds import KINDS, linear_sources
 from models.hyper_connections import HyperConnectedLayer, HyperHead, hyper_sources
 from models.moe import moe_sources

@@ -20,7 +20,7 @@ from torch import nn
 
 import attention.ops  # noqa: F401  (registers zooinfer::paged_attention and zooinfer::state_update)
 from attention.ops import paged_attention_op
-from kernels import elementwise as fused   # the fused elementwise CPU kernels
+from zooinfer_kernels import elementwise as fused   # the fused elementwise CPU kernels
 from models import prepack
 from models.activations import ACTIVATIONS
 
@@ -31,7 +31,7 @@ if TYPE_CHECKING:   # models.spec imports the kind registry, which imports these
 
 class RMSNorm(nn.Module):
     """RMSNorm in float32; multiplies by (offset + weight) so Gemma's `1 + w` is offset=1.
-    In eager mode on fp32 CPU tensors it runs as one fused kernel (kernels/elementwise.py)."""
+    In eager mode on fp32 CPU tensors it runs as one fused kernel (zooinfer_kernels/elementwise.py)."""
 
     def __init__(self, dim: int, eps: float, offset: float = 0.0):
         super().__init__()

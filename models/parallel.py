@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.lm_head import argmax
+from zooinfer_kernels.lm_head import argmax
 from models.builder import CausalLM, build_model
 from models.kinds import KINDS
 from models.layers import GatedRMSNorm

@@ -6,11 +6,11 @@ model. The weights do not fit the cache, so the step streams all of them from DR
 
 Two kinds of packed copy; each linear holds exactly one, and `choose_kind` picks one per model:
 - panels (needs the C++ kernel library, `cpu_build.available()`): column panels
-  (`kernels.gemm.pack_panels`) multiplied by `kernels.gemm.panel_linear`, which streams each
+  (`zooinfer_kernels.gemm.pack_panels`) multiplied by `zooinfer_kernels.gemm.panel_linear`, which streams each
   weight byte once in address order while the FMA units work on the previous ones. Chosen
   when the model's linear weights exceed the last-level cache (`PANEL_MIN_WEIGHT_BYTES`), so
   a decode step streams them from DRAM, or when the start-up probe measured the panel kernel
-  faster than MKL's packed GEMM on a cached weight (`kernels.gemm_choice`: AMD Zen 4); used
+  faster than MKL's packed GEMM on a cached weight (`zooinfer_kernels.gemm_choice`: AMD Zen 4); used
   for products of up to `PANEL_MAX_ROWS` rows (decode steps). Larger ones (prefill chunks)
   run the blocked panel kernel (`gemm.panel_linear_blocked`) where the probe measured it
   faster than `F.linear` (MKL sgemm), else `F.linear` on the original weight.
@@ -34,7 +34,7 @@ weight by key.
 
 The LM head gets panels whatever the model's kind (when the kernel library is built), so
 greedy steps can take their tokens straight from them without logits (`linear_argmax`;
-`kernels.lm_head.GreedyHead` decides when). Where a screen instruction set is usable
+`zooinfer_kernels.lm_head.GreedyHead` decides when). Where a screen instruction set is usable
 (`lm_head.screen_isa()`: AMX, AVX-512 BF16 or AVX2) the head also gets a bf16 copy (an int16 one
 on AVX2) laid out for it (`lm_head.make_screen`, checked here against `linear_argmax`) for `screened_argmax`; it costs
 half the head's fp32 bytes more.
@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_build, gemm, gemm_choice, lm_head
+from zooinfer_kernels import cpu_build, gemm, gemm_choice, lm_head
 
 _PACKED: dict[int, tuple[str, torch.Tensor, bool]] = {}   # key -> (kind, packed, blocked), for the compiled path
 _keys = itertools.count()

@@ -11,7 +11,7 @@ with q of 4 bits (two per byte, unsigned, `zero` 8 for symmetric formats), 5 or 
 legacy GGUF formats), two-level where the format ships them so (the K-quants: an int8 sub-scale
 per group times an fp16 super-scale `scale_d` / `min_d` per 256 weights), fp32 otherwise. So
 every GGUF weight takes in memory at most the bits its file gives it (the K-quants' 6-bit
-sub-scales take 8: 1/8 bit per weight more), and the kernels (kernels/cpu/quant_gemm.cpp, which
+sub-scales take 8: 1/8 bit per weight more), and the kernels (zooinfer_kernels/cpu/quant_gemm.cpp, which
 expand the storage a tile at a time, exactly) serve all formats. `QuantWeight.dequantize`
 computes exactly what gguf's numpy `dequantize` computes (same operations in the same order;
 tests/test_quant.py checks it bit for bit on every format).
@@ -21,7 +21,7 @@ tied model does not keep a float copy of its embedding beside the quantized head
 
 `QuantLinear` replaces an `nn.Linear`: its product runs on the C++ kernels (decode rows
 dequantize in registers; prefill chunks dequantize panels into the blocked fp32 GEMM's layout,
-kernels/cpu/quant_gemm_panels.cpp; with `activations="int8"` integer dot products at every row
+zooinfer_kernels/cpu/quant_gemm_panels.cpp; with `activations="int8"` integer dot products at every row
 count), or, without the kernel library, dequantizes the weight in torch and calls `F.linear`. Under
 torch.compile it is the opaque custom op `zooinfer::quant_linear`.
 """
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_build, quant_gemm
+from zooinfer_kernels import cpu_build, quant_gemm
 from models.spec import QUANT_ACTIVATIONS as ACTIVATIONS
 
 
@@ -72,7 +72,7 @@ class QuantWeight:
 
     @property
     def storage(self) -> dict:
-        """The storage-only tensors, as the kernel wrappers' keyword arguments (kernels/quant_gemm.py)."""
+        """The storage-only tensors, as the kernel wrappers' keyword arguments (zooinfer_kernels/quant_gemm.py)."""
         return {"qh": self.qh, "scale_d": self.scale_d, "min_d": self.min_d}
 
     def _replace(self, **kw) -> QuantWeight:
@@ -271,7 +271,7 @@ class QuantLinear(_QuantBuffers):
     """An `nn.Linear` whose weight is a `QuantWeight` (the float weight is dropped). `weight`
     gives the dequantized fp32 weight on demand, for the rare code that reads it directly.
     `activations="int8"`: every product (decode steps and prefill chunks) rounds x to int8 per
-    32-block and uses integer dot products (kernels/cpu/quant_gemv_q8.cpp for a few rows,
+    32-block and uses integer dot products (zooinfer_kernels/cpu/quant_gemv_q8.cpp for a few rows,
     quant_gemm_q8.cpp past them on AVX-512 VNNI CPUs, quant_q8_avx2.cpp at every row count on
     AVX2 + FMA ones; within the bound stated there, not exact); other CPUs keep the exact fp32
     product."""

@@ -6,7 +6,7 @@ only the linears left in float): `gguf` takes the linears' blocks from the check
 (models/quant_gguf.py), `int8` / `int4` / `int4_asym` quantize the loaded float weights
 (models/quant.py). The LM head follows `quantization.lm_head` (int8 under the 4-bit methods);
 `quantization.activations` (float32 / int8) says what x the decode products use. A quantized
-head also gets the norms of its greedy screen (`attach_head_screen`, kernels/quant_head.py).
+head also gets the norms of its greedy screen (`attach_head_screen`, zooinfer_kernels/quant_head.py).
 
 FP8 (e4m3) checkpoints as DeepSeek-V3 and Qwen3-Next ship them: each `*.weight` is float8 with a
 `*.weight_scale_inv` of one float32 per 128 x 128 block (`quantization_config.weight_block_size`
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kernels.quant_head import make_quant_screen
+from zooinfer_kernels.quant_head import make_quant_screen
 from models.quant import QuantLinear, quantize_int4, quantize_int8
 from models.spec import QUANT_METHODS, ModelSpec
 
@@ -86,7 +86,7 @@ def apply_quantization(model: nn.Module, spec: ModelSpec, method: str | None = N
 
 def attach_head_screen(model: nn.Module) -> None:
     """Give a quantized LM head the norms that let greedy steps take its argmax from the int8
-    product, decided exactly (`quant_screen`, kernels/quant_head.py); nothing where that kernel
+    product, decided exactly (`quant_screen`, zooinfer_kernels/quant_head.py); nothing where that kernel
     cannot run (the greedy head then computes the logits)."""
     head = getattr(model, "lm_head", None)
     if isinstance(head, QuantLinear) and head.bias is None:

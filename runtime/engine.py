@@ -21,7 +21,7 @@ import torch
 from cache.kv_dtype import check_specs as check_kv_specs, resolve_kv_cache_dtype
 from cache.manager import KVCacheManager
 from cache.sizing import make_kv_cache_config, requests_that_fit
-from kernels import cpu_features
+from zooinfer_kernels import cpu_features
 from models import resolve_spec
 from models.builder import DTYPES
 from models.parallel import shard_spec

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from attention import ForwardContext, get_backend, set_forward_context
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 from tests.test_cpu_prefill import _reference, _step
 
 torch.set_num_threads(1)

@@ -73,7 +73,7 @@ def test_gemm_peak_is_the_best_of_torch_mm_and_our_kernels():
     """The peak behind "% of peak" counts our own panel kernels (MKL runs AVX2 code on AMD, so
     torch.mm alone put engines above 100%), and the kernels it times compute that very product."""
     import torch
-    from kernels import cpu_build, gemm
+    from zooinfer_kernels import cpu_build, gemm
     shapes = [(48, 64, 96), (8, 64, 96)]
     rate = measure_gemm_rate(shapes, seconds_per_shape=0.01)
     assert set(rate["per_shape_gflops"]) == {"48x64x96", "8x64x96"}

@@ -1,4 +1,4 @@
-"""The C++ kernels' build folders (kernels/cpu_build): the cross-process build lock (a torch
+"""The C++ kernels' build folders (zooinfer_kernels/cpu_build): the cross-process build lock (a torch
 baton left by a process killed mid-build is cleared instead of blocking every later start;
 the lock is exclusive across processes while held), one folder per source digest, and the
 pruning of old folders."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build
-from kernels.cpu_build import build_lock, prune_builds, source_key
+from zooinfer_kernels import cpu_build
+from zooinfer_kernels.cpu_build import build_lock, prune_builds, source_key
 
 
 def _try_lock_from_another_process(lock_file) -> bool:

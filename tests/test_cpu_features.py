@@ -1,4 +1,4 @@
-"""The start-up capability report (`kernels.cpu_features`): the flags match /proc/cpuinfo, the
+"""The start-up capability report (`zooinfer_kernels.cpu_features`): the flags match /proc/cpuinfo, the
 paths match what the kernels actually choose (the greedy screen, the library build, the
 fallbacks when the library is off or a set is forced), and the engine logs it exactly once."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernels import cpu_build, cpu_features, lm_head
+from zooinfer_kernels import cpu_build, cpu_features, lm_head
 
 needs_kernels = pytest.mark.skipif(shutil.which("c++") is None or not cpu_build.available(),
                                    reason="no C++ CPU kernels")

@@ -1,4 +1,4 @@
-"""The C++ paged decode kernel (kernels/cpu) against the torch backend's sparse
+"""The C++ paged decode kernel (zooinfer_kernels/cpu) against the torch backend's sparse
 decode path, its padded SDPA path and a float64 reference; and the whole engine with the
 kernel on and off. The first test in a fresh cache dir pays the one-time JIT build."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention import get_backend
-from kernels import cpu_build, paged_attention
+from zooinfer_kernels import cpu_build, paged_attention
 from attention.torch_backend import _make_part
 from runtime import LLM, SamplingParams
 from tests.test_cpu_prefill import _reference, _step

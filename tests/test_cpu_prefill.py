@@ -1,4 +1,4 @@
-"""The C++ varlen prefill kernel (`paged_attention.paged_prefill`, kernels/cpu/paged_prefill.cpp)
+"""The C++ varlen prefill kernel (`paged_attention.paged_prefill`, zooinfer_kernels/cpu/paged_prefill.cpp)
 against the torch backend's padded SDPA path and a float64 reference, through the backend's
 real plan + forward (the step's K/V written into the pages first). Batches mix fresh
 prompts, chunk continuations / prefix hits (keys that live only in the pages) and decodes;
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from attention import BatchLayout, get_backend
-from kernels import cpu_build, paged_attention
+from zooinfer_kernels import cpu_build, paged_attention
 from attention.torch_backend import _make_part
 
 torch.set_num_threads(1)

@@ -1,5 +1,5 @@
-"""The fused CPU elementwise kernels (kernels/cpu/fused_elementwise.cpp via
-kernels/elementwise.py) against the torch code they replace in models/layers.py: each module runs
+"""The fused CPU elementwise kernels (zooinfer_kernels/cpu/fused_elementwise.cpp via
+zooinfer_kernels/elementwise.py) against the torch code they replace in models/layers.py: each module runs
 once with the kernel and once with `elementwise.ENABLED = False` (its torch path) on the same
 inputs. Shapes cover one row, odd sizes, the strided q/k views the qkv split produces,
 partial rotary and Gemma's offset=1. Results must agree to ~1e-6 of the output's scale
@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kernels import cpu_build
-from kernels import elementwise
+from zooinfer_kernels import cpu_build
+from zooinfer_kernels import elementwise
 from models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from models.spec import MLPSpec, RopeSpec
 

@@ -1,6 +1,6 @@
 """The prefill GEMM: the blocked panel kernel (`gemm.panel_linear_blocked`) against F.linear,
 its gated-MLP form with the activation in the epilogue (`gemm.panel_linear_blocked_act`),
-the start-up choice between it and MKL (`kernels.gemm_choice`: measured, forced, no library),
+the start-up choice between it and MKL (`zooinfer_kernels.gemm_choice`: measured, forced, no library),
 the packed linears taking the chosen path above PANEL_MAX_ROWS rows (the MKL fallback forced on
 included), and engine outputs the same on either path."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_build, cpu_features, gemm, gemm_choice
+from zooinfer_kernels import cpu_build, cpu_features, gemm, gemm_choice
 from models import prepack
 from models.prepack import PackedLinear
 
@@ -82,7 +82,7 @@ def test_blocked_act_equals_product_then_act_mul(k, threads):
     one k block or two (the scratch then holds partial sums between blocks), I whole panels or
     not (the up half starting mid-panel), with and without bias, both activations, one or two
     threads; gate values over [-20, 20] reach both tails of the activations."""
-    from kernels import elementwise
+    from zooinfer_kernels import elementwise
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(k)
     for i in (1, 19, 48, 80):
@@ -100,7 +100,7 @@ def test_blocked_act_equals_product_then_act_mul(k, threads):
 
 @needs_kernels
 def test_blocked_act_k_zero_and_bad_inputs():
-    from kernels import elementwise
+    from zooinfer_kernels import elementwise
     panels = gemm.pack_panels(torch.randn(40, 0))
     b = torch.randn(40)
     want = elementwise.act_mul(b.expand(70, 40).contiguous(), "silu")
@@ -120,7 +120,7 @@ def test_gated_mlp_fuses_the_activation_on_blocked_panels(monkeypatch, forced):
     every path gives the unfused module's output exactly."""
     from types import SimpleNamespace
 
-    from kernels import elementwise
+    from zooinfer_kernels import elementwise
     from models.layers import GatedMLP
     from models.spec import MLPSpec
     monkeypatch.setenv(gemm_choice.ENV, forced)

@@ -14,7 +14,7 @@ from attention import get_backend, kv_quant
 from cache.kv_cache_spec import FullAttentionSpec, MLASpec, StateSpec
 from cache.kv_dtype import check_specs, resolve_kv_cache_dtype
 from cache.sizing import make_kv_cache_config, requests_that_fit
-from kernels import cpu_build, paged_attention
+from zooinfer_kernels import cpu_build, paged_attention
 from tests.test_cpu_prefill import _reference, _step
 
 torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Imports go one way (DESIGN.md): runtime -> models, attention, cache; models -> attention,
-cache; attention -> cache; cache -> nothing of ours; everyone may import `kernels`, a leaf
-package whose C++ sources all live in kernels/cpu."""
+cache; attention -> cache; cache -> nothing of ours; everyone may import `zooinfer_kernels`, a leaf
+package whose C++ sources all live in zooinfer_kernels/cpu."""
 from __future__ import annotations
 
 import ast
@@ -9,9 +9,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-OURS = ("runtime", "models", "attention", "cache", "kernels")
-ALLOWED = {"runtime": set(OURS), "models": {"models", "attention", "cache", "kernels"},
-           "attention": {"attention", "cache", "kernels"}, "cache": {"cache", "kernels"}, "kernels": {"kernels"}}
+OURS = ("runtime", "models", "attention", "cache", "zooinfer_kernels")
+ALLOWED = {"runtime": set(OURS), "models": {"models", "attention", "cache", "zooinfer_kernels"},
+           "attention": {"attention", "cache", "zooinfer_kernels"}, "cache": {"cache", "zooinfer_kernels"},
+           "zooinfer_kernels": {"zooinfer_kernels"}}
 
 
 def _imports(path: Path) -> list[str]:
@@ -33,5 +34,5 @@ def test_imports_point_one_way():
 
 def test_all_cpp_sources_live_in_kernels():
     skip = {".venv", "build", ".git"}
-    stray = [p for p in REPO.rglob("*.cpp") if not skip & set(p.parts) and p.parent != REPO / "kernels" / "cpu"]
+    stray = [p for p in REPO.rglob("*.cpp") if not skip & set(p.parts) and p.parent != REPO / "zooinfer_kernels" / "cpu"]
     assert not stray

@@ -1,6 +1,6 @@
 """Greedy tokens from the LM head panels without logits (`zooinfer_cpu::linear_argmax`):
 exactly torch's argmax of the product (first index among ties, NaN counts as the maximum),
-the model's gate (`CausalLM.greedy_head`, a `kernels.lm_head.GreedyHead`), and the engine's outputs with it on and off."""
+the model's gate (`CausalLM.greedy_head`, a `zooinfer_kernels.lm_head.GreedyHead`), and the engine's outputs with it on and off."""
 from __future__ import annotations
 
 import shutil
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from kernels import cpu_build
-from kernels import cpu_features, elementwise, gemm, lm_head
-from kernels.gemm import pack_panels
+from zooinfer_kernels import cpu_build
+from zooinfer_kernels import cpu_features, elementwise, gemm, lm_head
+from zooinfer_kernels.gemm import pack_panels
 from models.prepack import PackedLinear, prepack_linears
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_build.available(),

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_build, gemm
+from zooinfer_kernels import cpu_build, gemm
 from models import prepack
 from models.prepack import PackedLinear, prepack_linears
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 from models.quant import QuantLinear, QuantWeight, concat_rows, quantize_int4, quantize_int8
 from models.quant_gguf import from_blocks
 
@@ -94,7 +94,7 @@ needs_kernels = pytest.mark.skipif(not cpu_build.available(), reason="C++ kernel
 @pytest.mark.parametrize("isa", [0, 1, 2], ids=["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("case", WEIGHTS, ids=[c[0] for c in WEIGHTS])
 def test_kernel_equals_dequantize_then_matmul(case, isa):
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     if isa > quant_gemm.best_isa():
         pytest.skip(f"this CPU lacks {quant_gemm.ISA_NAMES[isa]}")
     _, qw, w = case

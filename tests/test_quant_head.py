@@ -1,4 +1,4 @@
-"""The quantized greedy head (kernels/quant_head.py): its tokens are exactly the argmax of the
+"""The quantized greedy head (zooinfer_kernels/quant_head.py): its tokens are exactly the argmax of the
 exact fp32 decode product (first index among ties) on every weight format, K tails, 1-16 rows,
 near-ties the int8 product orders wrongly and exact ties; its error bound holds; non-finite x
 falls back; and the engine takes it for greedy steps of a GGUF model with tokens unchanged."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 from models.quant import QuantLinear, QuantWeight, quantize_int8
 from tests.test_quant import WEIGHTS
 
@@ -16,21 +16,21 @@ from tests.test_quant import WEIGHTS
 def _ready() -> bool:
     if not cpu_build.available():
         return False
-    from kernels import quant_gemm
-    return quant_gemm.vnni_available()     # the screen is VNNI-only (kernels/quant_head.py make_quant_screen)
+    from zooinfer_kernels import quant_gemm
+    return quant_gemm.vnni_available()     # the screen is VNNI-only (zooinfer_kernels/quant_head.py make_quant_screen)
 
 
 pytestmark = pytest.mark.skipif(not _ready(), reason="needs the kernel library and an AVX-512 VNNI CPU")
 
 
 def _exact_logits(x: torch.Tensor, qw: QuantWeight) -> torch.Tensor:
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     xp = F.pad(x, (0, qw.k_pad - qw.k))
     return quant_gemm.quant_linear(xp, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None, **qw.storage)
 
 
 def _head(qw: QuantWeight) -> QuantLinear:
-    from kernels.quant_head import make_quant_screen
+    from zooinfer_kernels.quant_head import make_quant_screen
     head = QuantLinear(qw, None, activations="int8")
     head.quant_screen = make_quant_screen(qw)
     assert head.quant_screen is not None
@@ -39,8 +39,8 @@ def _head(qw: QuantWeight) -> QuantLinear:
 
 @pytest.mark.parametrize("case", WEIGHTS, ids=[c[0] for c in WEIGHTS])
 def test_tokens_are_the_exact_products_argmax_and_the_bound_holds(case):
-    from kernels import quant_gemm
-    from kernels.quant_head import error_bound, quant_argmax
+    from zooinfer_kernels import quant_gemm
+    from zooinfer_kernels.quant_head import error_bound, quant_argmax
     _, qw, _ = case
     head = _head(qw)
     g = torch.Generator().manual_seed(5)
@@ -57,7 +57,7 @@ def test_tokens_are_the_exact_products_argmax_and_the_bound_holds(case):
 
 
 def test_screen_norms_are_the_largest_row_norms():
-    from kernels.quant_head import make_quant_screen
+    from zooinfer_kernels.quant_head import make_quant_screen
     for name, qw, _ in WEIGHTS:
         screen = make_quant_screen(qw, chunk_rows=7)         # several chunks, a short last one
         scale, minv = qw.float_scales()
@@ -76,7 +76,7 @@ def _misordered(seed: int, k: int = 128) -> tuple[torch.Tensor, QuantWeight]:
     """(x [1, k], an int8 head) whose exact argmax is row 6 = base + delta while the int8
     product ranks row 5 = base first: delta is drawn until delta . x > 0 (exact: row 6 wins)
     but delta . (x - x^) > delta . x (rounded: row 5 wins). The other rows are base / 2."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(1, k, generator=g)
     xq, d = quant_gemm.quantize_activations_q8(x)
@@ -93,8 +93,8 @@ def _misordered(seed: int, k: int = 128) -> tuple[torch.Tensor, QuantWeight]:
 def test_rows_the_int8_product_misorders_are_decided_exactly():
     """Where the int8 product's argmax is not the exact one (built so, so the test can fail), the
     head returns the exact one; identical rows resolve to the first, as torch.argmax does."""
-    from kernels import quant_gemm
-    from kernels.quant_head import quant_argmax
+    from zooinfer_kernels import quant_gemm
+    from zooinfer_kernels.quant_head import quant_argmax
     for seed in range(3):
         x, qw = _misordered(seed)
         head = _head(qw)
@@ -108,8 +108,8 @@ def test_rows_the_int8_product_misorders_are_decided_exactly():
 
 
 def test_non_finite_hidden_states_fall_back_to_the_exact_product():
-    from kernels import lm_head
-    from kernels.quant_head import quant_argmax
+    from zooinfer_kernels import lm_head
+    from zooinfer_kernels.quant_head import quant_argmax
     qw = quantize_int8(torch.randn(40, 64, generator=torch.Generator().manual_seed(3)))
     head = _head(qw)
     x = torch.randn(3, 64)
@@ -119,8 +119,8 @@ def test_non_finite_hidden_states_fall_back_to_the_exact_product():
 
 
 def test_greedy_head_takes_the_quantized_path_only_where_it_applies():
-    from kernels.lm_head import GreedyHead
-    from kernels.quant_head import QUANT_ROWS
+    from zooinfer_kernels.lm_head import GreedyHead
+    from zooinfer_kernels.quant_head import QUANT_ROWS
     head = _head(quantize_int8(torch.randn(40, 64)))
     assert GreedyHead(head).path(torch.randn(1, 64)) == "logits"                  # autograd on: no fused kernels
     with torch.no_grad():
@@ -136,7 +136,7 @@ def test_engine_greedy_tokens_unchanged_with_the_quantized_head():
     """SmolLM2 on its GGUF (Q8_0 head), float32 activations: the engine's greedy head takes
     `quant_argmax` (the int8-activation screen) and gives the same 24 tokens per prompt as the
     logits path it replaces, for 4 prompts in one batch and one alone."""
-    from kernels import lm_head, quant_head
+    from zooinfer_kernels import lm_head, quant_head
     from runtime import LLM, SamplingParams
     llm = LLM("zoo/smollm2-135m.yaml", max_num_seqs=4, enable_prefix_caching=False)
     head = llm.engine.model.lm_head
@@ -167,7 +167,7 @@ def test_engine_greedy_tokens_unchanged_with_the_quantized_head():
 
 
 def test_candidates_are_the_columns_within_the_margin_of_a_rows_maximum():
-    from kernels.quant_head import candidates
+    from zooinfer_kernels.quant_head import candidates
     g = torch.Generator().manual_seed(9)
     for m, n in ((1, 262144), (3, 1000), (16, 37), (2, 5)):        # vector body and scalar tails
         logits = torch.randn(m, n, generator=g)
@@ -187,7 +187,7 @@ def test_the_8bit_heads_kernel_is_the_int8_formula():
     """`quant_head_logits_q8` (Q8_0 / int8 heads) computes quant_linear_q8's formula to fp32
     rounding: fp16 and fp32 scales, groups of 32 and per channel, K ending in a 32-weight chunk
     tail, 1-16 rows (every register tile)."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     from tests.test_quant import _bound
     g = torch.Generator().manual_seed(21)
     q8 = [c for c in WEIGHTS if c[1].bits == 8 and c[1].min is None]

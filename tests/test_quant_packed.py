@@ -1,4 +1,4 @@
-"""GGUF weights stored at their file's bits (kernels/cpu/quant_storage.h): 5- / 6-bit values as
+"""GGUF weights stored at their file's bits (zooinfer_kernels/cpu/quant_storage.h): 5- / 6-bit values as
 nibbles plus high-bit planes, the K-quants' two-level scales. Every kernel path (scalar, AVX2,
 AVX-512, int8 activations) on weights of several 64-row tiles equals dequantize-then-matmul
 within tests/test_quant.py's bound; the storage round-trips exactly; bad storage is refused by
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 from models.quant import QuantWeight, concat_rows, pack_high_bits
 from tests.test_quant import _bound, gguf_weight
 
@@ -35,7 +35,7 @@ def test_high_bit_planes_round_trip(bits):
 def test_packed_kernels_over_several_row_tiles(fmt, isa):
     """130 rows: three 64-row tiles, so every tile's planes and super-scales are found at their
     row offset; decode register tiles, their tails and the prefill path."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     if isa > quant_gemm.best_isa():
         pytest.skip(f"this CPU lacks {quant_gemm.ISA_NAMES[isa]}")
     qw, w = gguf_weight(fmt, 130, 512, seed=22)
@@ -54,7 +54,7 @@ def test_packed_kernels_over_several_row_tiles(fmt, isa):
 def test_packed_storage_gives_the_unpacked_weights_result(fmt):
     """The storage only changes bytes: the same weight widened to int8 with fp32 scales (what the
     kernels expand it to) gives the identical result on the exact and the int8-activation paths."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     qw, _ = gguf_weight(fmt, 70, 256, seed=24)
     wide = qw.to_8bit().with_float_scales()
     assert wide.qh is None and wide.scale_d is None and wide.nbytes > qw.nbytes
@@ -73,7 +73,7 @@ def test_packed_storage_gives_the_unpacked_weights_result(fmt):
 
 @needs_kernels
 def test_bad_storage_is_refused_by_name():
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     qw, _ = gguf_weight("Q5_0", 4, 64)
     x = torch.randn(1, 64)
     with pytest.raises(RuntimeError, match="qh is needed exactly for bits 5 and 6"):

@@ -1,4 +1,4 @@
-"""The exact product on quantized weights past the decode rows (kernels/cpu/quant_gemm_panels.cpp):
+"""The exact product on quantized weights past the decode rows (zooinfer_kernels/cpu/quant_gemm_panels.cpp):
 panels dequantized into the blocked fp32 GEMM's layout and run on its register kernel equal that
 GEMM on the dequantized weight bit for bit (same floats, same reduction order), bias included, on
 every weight format, K tails and several 256-step k blocks, odd N (a last panel past N), chunks of
@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 from tests.test_quant import WEIGHTS, _bound, gguf_weight
 
 def _avx512() -> bool:
     if not cpu_build.available():
         return False
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     return quant_gemm.best_isa() >= 2
 
 
@@ -25,7 +25,7 @@ needs_avx512 = pytest.mark.skipif(not _avx512(), reason="needs the kernel librar
 
 def _both(qw, x: torch.Tensor, bias: torch.Tensor | None):
     """(quant_linear on the AVX-512 path, panel_linear_blocked on panels of quant_dequantize(W))."""
-    from kernels import gemm, quant_gemm
+    from zooinfer_kernels import gemm, quant_gemm
     xp = F.pad(x, (0, qw.k_pad - qw.k))
     got = quant_gemm.quant_linear(xp, qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, bias, 2, **qw.storage)
     deq = quant_gemm.dequantize(qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, qw.k_pad, 2, **qw.storage)

@@ -1,4 +1,4 @@
-"""Decode products with int8 activations (kernels/cpu/quant_gemv_q8.cpp): the kernel computes
+"""Decode products with int8 activations (zooinfer_kernels/cpu/quant_gemv_q8.cpp): the kernel computes
 exactly its stated formula (x rounded to int8 per 32-block in the integer part, exact fp32 group
 sums in the min / zero part) to fp32 rounding, and so stays within the stated bound of
 dequantize-then-matmul, on every weight format, K tails, odd N, group sizes that are not 32,
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 from models.quant import QuantLinear, QuantWeight, quantize_int4
 from tests.test_quant import WEIGHTS, _bound
 
@@ -20,7 +20,7 @@ from tests.test_quant import WEIGHTS, _bound
 def _q8_ready() -> bool:
     if not cpu_build.available():
         return False
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     return quant_gemm.q8_available()
 
 
@@ -31,7 +31,7 @@ def _isas() -> list[int]:
     """The int8-activation paths to test here: AVX2 (1) always, VNNI (2) where the CPU has it."""
     if not _q8_ready():
         return [1]
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     return [1, 2] if quant_gemm.vnni_available() else [1]
 
 
@@ -74,7 +74,7 @@ def _emulate(x: torch.Tensor, qw: QuantWeight, xq: torch.Tensor, d: torch.Tensor
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: {1: "avx2", 2: "vnni"}[i])
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_q8_kernel_is_its_formula_and_within_the_bound(case, isa):
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     _, qw, w = case
     g = torch.Generator().manual_seed(12)
     sq = (qw.float_scales()[0].repeat_interleave(qw.group, dim=1)[:, :qw.k]
@@ -118,7 +118,7 @@ def _five_six_bit_weights():
 def test_vnni_widens_5_6_bit_weights_as_the_unpacked_int8_weight(case):
     """The VNNI decode kernel widens 5 / 6-bit q in registers; its products equal, bit for bit, those
     of the same weight stored as int8 q - zero with the same scales (what the other paths unpack)."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     _, qw = case
     q8 = (qw.values() - qw.zero).to(torch.int8)
     g = torch.Generator().manual_seed(15)
@@ -134,7 +134,7 @@ def test_vnni_widens_5_6_bit_weights_as_the_unpacked_int8_weight(case):
 @needs_q8
 @pytest.mark.parametrize("isa", ISAS, ids=lambda i: {1: "avx2", 2: "vnni"}[i])
 def test_q8_kernel_refuses_prefill_sized_inputs(isa):
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     _, qw, _ = WEIGHTS[1]
     with pytest.raises(RuntimeError, match="at most 16 rows"):
         quant_gemm.quant_linear_q8(torch.randn(17, qw.k_pad), qw.qs, qw.scale, qw.min, qw.bits, qw.group,
@@ -146,7 +146,7 @@ def test_q8_kernel_refuses_prefill_sized_inputs(isa):
 def test_activations_round_as_the_torch_reference_bit_for_bit(isa):
     """d = max|x| / 127 per 32-block, xq = round-half-even(x * (127 / max|x|)) in fp32 (0 for an
     all-zero block): the kernels' rounding, identical on the AVX2 and the AVX-512 code."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     g = torch.Generator().manual_seed(13)
     x = torch.randn(7, 320, generator=g) * torch.rand(7, 1, generator=g).pow(4) * 50
     x[2, 32:64] = 0.0                                    # an all-zero block
@@ -169,7 +169,7 @@ def test_avx2_rows_do_not_depend_on_the_row_count_nor_the_threads():
     tile (1-4 rows), block of rows (64 in row order, 128 in GEMM order) or thread: a row's result
     is bit-identical alone, in any batch and at 1 or 2 threads; on 8-bit weights both ops run the
     row-order kernel (the same values), on 4-bit ones the GEMM op its GEMM-ordered kernel."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     g = torch.Generator().manual_seed(14)
     n = torch.get_num_threads()
     for name in ("Q4_1", "Q6_K", "int4_asym-33x100", "int8-g96-21x192", "int4-g128-19x384"):
@@ -200,7 +200,7 @@ def test_avx2_rows_do_not_depend_on_the_row_count_nor_the_threads():
 
 @needs_q8
 def test_isa_argument_errors_are_one_line():
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     _, qw, _ = WEIGHTS[1]
     x = torch.randn(2, qw.k_pad)
     args = (qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)

@@ -1,4 +1,4 @@
-"""Int8-activation products for any number of rows (kernels/cpu/quant_gemm_q8.cpp): the GEMM-ordered
+"""Int8-activation products for any number of rows (zooinfer_kernels/cpu/quant_gemm_q8.cpp): the GEMM-ordered
 kernel computes the decode kernel's formula (x rounded to int8 per 32-block in the integer part,
 exact fp32 group sums in the min / zero part) to fp32 rounding and stays within the same bound of
 dequantize-then-matmul, on every weight format, K tails, odd N (column tiles of 16 and their
@@ -19,7 +19,7 @@ ISA_IDS = (lambda i: {1: "avx2", 2: "vnni"}[i])
 
 
 def _gemm(x: torch.Tensor, qw, bias=None, isa: int = -1) -> torch.Tensor:
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     return quant_gemm.quant_linear_q8_gemm(F.pad(x, (0, qw.k_pad - qw.k)), qw.qs, qw.scale, qw.min, qw.bits,
                                            qw.group, qw.zero, bias, **qw.storage, isa=isa)
 
@@ -27,7 +27,7 @@ def _gemm(x: torch.Tensor, qw, bias=None, isa: int = -1) -> torch.Tensor:
 def _check(qw, w, rows: int, g: torch.Generator, isa: int = -1) -> torch.Tensor:
     """The GEMM kernel on `rows` random rows: equal to its formula to fp32 rounding and within the
     bound of dequantize-then-matmul (tests/test_quant_q8.py's, the decode kernel's); its output."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     sq = (qw.float_scales()[0].repeat_interleave(qw.group, dim=1)[:, :qw.k] * _int_part(qw)[0]).abs()
     x = torch.randn(rows, qw.k, generator=g) * torch.rand(rows, 1, generator=g) * 4
     x[0, :7] = 0.0                               # a zero stretch (an all-zero block when K is small)
@@ -114,7 +114,7 @@ def test_gemm_rows_past_a_row_block_equal_those_computed_alone(isa):
 @needs_q8
 @pytest.mark.parametrize("isa", ISAS, ids=ISA_IDS)
 def test_gemm_bias_and_errors(isa):
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     _, qw, _ = WEIGHTS[1]                        # Q4_1
     g = torch.Generator().manual_seed(23)
     x, bias = torch.randn(20, qw.k, generator=g), torch.randn(qw.n, generator=g)
@@ -134,7 +134,7 @@ def test_gemm_bias_and_errors(isa):
 def test_module_uses_int8_activations_at_every_row_count():
     """Below `q8_gemm_min_rows()` rows the decode kernel, from there on the GEMM-ordered one: decode
     batches and prefill chunks alike, never the exact fp32 product."""
-    from kernels import quant_gemm
+    from zooinfer_kernels import quant_gemm
     _, qw, _ = WEIGHTS[1]                        # Q4_1
     bias = torch.randn(qw.n)
     lin8, lin32 = QuantLinear(qw, bias, activations="int8"), QuantLinear(qw, bias)

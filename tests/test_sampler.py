@@ -407,8 +407,8 @@ def test_chunked_argmax_equals_torch_argmax(vocab, kernel, monkeypatch):
     """The greedy fast paths (the C++ `argmax_rows` and the chunked torch fallback) return
     exactly torch's argmax: first index among ties, NaN counted as the maximum, all -inf rows
     give 0, a maximum in the ragged last chunk."""
-    from kernels import cpu_build
-    from kernels.lm_head import argmax as _argmax
+    from zooinfer_kernels import cpu_build
+    from zooinfer_kernels.lm_head import argmax as _argmax
     if kernel and not cpu_build.available():
         pytest.skip("C++ CPU kernels unavailable")
     if not kernel:
@@ -430,7 +430,7 @@ def test_chunked_argmax_equals_torch_argmax(vocab, kernel, monkeypatch):
 def test_cpp_argmax_rows_small_odd_and_strided(vocab):
     """`argmax_rows` on rows shorter than, equal to and just past one 16-float vector, with
     the maximum / a NaN / -inf in the scalar tail, and on a strided view."""
-    from kernels import cpu_build
+    from zooinfer_kernels import cpu_build
     if not cpu_build.available():
         pytest.skip("C++ CPU kernels unavailable")
     f = torch.ops.zooinfer_cpu.argmax_rows

@@ -13,10 +13,10 @@ import shutil
 import pytest
 import torch
 
-from kernels import cpu_build
-from kernels import lm_head
-from kernels.gemm import pack_panels
-from kernels.lm_head import make_screen
+from zooinfer_kernels import cpu_build
+from zooinfer_kernels import lm_head
+from zooinfer_kernels.gemm import pack_panels
+from zooinfer_kernels.lm_head import make_screen
 from models.prepack import prepack_linears
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None or not cpu_build.available(),

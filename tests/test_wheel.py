@@ -23,13 +23,13 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 23, 40)]
 MAX_TOKENS = 12
-PACKAGES = ("attention", "cache", "kernels", "models", "runtime")
+PACKAGES = ("attention", "cache", "zooinfer_kernels", "models", "runtime")
 
 # Runs inside the fresh venv: one greedy generation, and where everything came from.
 SCRIPT = """
 import json, sys
 import runtime
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 from runtime import LLM, SamplingParams
 llm = LLM(sys.argv[1])
 outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=int(sys.argv[3]),
@@ -73,9 +73,9 @@ def test_installed_wheel_builds_the_kernels_and_generates_the_same_tokens(tmp_pa
           "-q", "-w", str(dist), str(src)])
     (wheel,) = dist.glob("zooinfer-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    for f in sorted((REPO / "kernels" / "cpu").iterdir()):
+    for f in sorted((REPO / "zooinfer_kernels" / "cpu").iterdir()):
         if f.suffix in (".cpp", ".h"):
-            assert f"kernels/cpu/{f.name}" in names, f"{f.name} is not in the wheel"
+            assert f"zooinfer_kernels/cpu/{f.name}" in names, f"{f.name} is not in the wheel"
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
@@ -93,12 +93,12 @@ def test_installed_wheel_builds_the_kernels_and_generates_the_same_tokens(tmp_pa
                           cwd=tmp_path, env=env).strip().splitlines()[-1])
 
     assert Path(out["runtime"]).is_relative_to(site), out["runtime"]        # the installed package, not the repo
-    assert Path(out["sources"]) == site / "kernels" / "cpu"
+    assert Path(out["sources"]) == site / "zooinfer_kernels" / "cpu"
     assert out["available"], "the installed package did not build its C++ kernels"
     library = Path(out["library"])
     assert library.is_file() and library.is_relative_to(cache)
     ninja = (library.parent / "build.ninja").read_text()
-    assert str(site / "kernels" / "cpu" / "panel_gemm.cpp") in ninja and str(REPO / "kernels") not in ninja
+    assert str(site / "zooinfer_kernels" / "cpu" / "panel_gemm.cpp") in ninja and str(REPO / "zooinfer_kernels") not in ninja
 
     from runtime import LLM, SamplingParams
     llm = LLM(str(spec))

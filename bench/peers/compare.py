@@ -116,7 +116,7 @@ def measure_gemm_rate(shapes: list[tuple[int, int, int]], seconds_per_shape: flo
     The peak is the best rate of either on any shape: the machine's reachable fp32 rate."""
     import torch
     try:
-        from kernels import cpu_build, gemm
+        from zooinfer_kernels import cpu_build, gemm
         ours = cpu_build.available()
     except ImportError:
         ours = False

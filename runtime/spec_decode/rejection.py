@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels import lm_head
+from zooinfer_kernels import lm_head
 from runtime.worker.sampler import _exponential
 
 

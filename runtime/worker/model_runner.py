@@ -20,7 +20,7 @@ import torch
 from attention import ForwardContext, get_backend, set_forward_context
 from cache.kv_cache_spec import KVCacheConfig, SlidingWindowSpec, StateSpec
 from cache.tiers.transfer import run_transfers
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 from models.builder import CausalLM
 from runtime.worker.input_batch import InputBatch
 from runtime.worker.logits_processors import LogitsEdits

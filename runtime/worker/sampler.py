@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import lm_head
-from kernels.lm_head import GreedyHead
+from zooinfer_kernels import lm_head
+from zooinfer_kernels.lm_head import GreedyHead
 from runtime.structured_outputs import apply_bitmask
 from runtime.worker.logits_processors import LogitsEdits
 

@@ -24,7 +24,7 @@ import threading
 from functools import lru_cache
 from pathlib import Path
 
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 
 # The flags that decide a kernel path, in the order they are printed.
 FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
@@ -69,11 +69,11 @@ def kernel_paths() -> dict[str, str]:
     "avx2" or "none"), "linear" (what prepacked linears can use: the C++ panel GEMM and/or
     MKL's packed GEMM, "panel+mkl", "panel", "mkl", else "torch"), "prefill_gemm" (products past
     64 rows: "blocked" or "mkl", with how it was chosen and the probe's GFLOP/s),
-    "int8_activations" (the products of `activations: int8`, kernels/quant_gemm.py: "avx512_vnni",
+    "int8_activations" (the products of `activations: int8`, zooinfer_kernels/quant_gemm.py: "avx512_vnni",
     "avx2" or "none": the exact fp32 product instead) and "attention" ("cpp" or "torch")."""
     import torch
 
-    from kernels import gemm_choice, lm_head, quant_gemm
+    from zooinfer_kernels import gemm_choice, lm_head, quant_gemm
     built = cpu_build.available()
     lib = cpu_build.library_path() or ""
     library = ("native" if "native" in Path(lib).name else "portable") if built else "off"

@@ -2,7 +2,7 @@
 // maximum, a NaN counting as the maximum (the first NaN wins), as `torch.argmax(x, -1)`.
 //
 // Why: torch's CPU argmax over the last dim is a scalar loop (4-8 ms for 64 x 32000 logits
-// on this project's bench machine), and the chunked amax trick in kernels/lm_head.py costs
+// on this project's bench machine), and the chunked amax trick in zooinfer_kernels/lm_head.py costs
 // several small ops whose thread hand-offs dominate at 2 threads (~2 ms). Here each row is
 // one work item: a vectorised max pass (which also notices NaN), then a scan for the first
 // index equal to that max while the row is still in L2. About 0.3 ms for 64 x 32000. Native-width

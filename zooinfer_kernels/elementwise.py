@@ -1,4 +1,4 @@
-"""Fused CPU kernels for the elementwise parts of a decoder layer (kernels/cpu/fused_elementwise.cpp),
+"""Fused CPU kernels for the elementwise parts of a decoder layer (zooinfer_kernels/cpu/fused_elementwise.cpp),
 and when to use them.
 
 In eager mode every torch op is its own pass over memory: RMSNorm is six of them, rope a
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 
 ENABLED = True
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}   # activation name -> the act_mul kernel's `kind`

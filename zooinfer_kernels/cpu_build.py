@@ -1,6 +1,6 @@
-"""Build and load the C++ CPU kernels (kernels/cpu/*.cpp): one library, op namespace `zooinfer_cpu`.
+"""Build and load the C++ CPU kernels (zooinfer_kernels/cpu/*.cpp): one library, op namespace `zooinfer_cpu`.
 
-Every .cpp in kernels/cpu registers its ops into `torch.ops.zooinfer_cpu`; the wrapper
+Every .cpp in zooinfer_kernels/cpu registers its ops into `torch.ops.zooinfer_cpu`; the wrapper
 modules next to this one (`paged_attention`, `gemm`, `lm_head`, `elementwise`) call them and
 say when they apply. The build is lazy: the first `available()` call compiles (tens of
 seconds) or loads the cached library from `$ZOOINFER_CACHE/torch_extensions` (default

@@ -1,17 +1,17 @@
 """Greedy tokens of an LM head: the fused LM head + argmax kernels and the fast argmax over logits.
 
-- `linear_argmax` (kernels/cpu/linear_argmax.cpp): `(x @ W.T).argmax(-1)` from the head's
+- `linear_argmax` (zooinfer_kernels/cpu/linear_argmax.cpp): `(x @ W.T).argmax(-1)` from the head's
   panels (`gemm.pack_panels`) without writing the logits: the product is computed with the
   tokens as vector lanes, so the argmax is a per-lane compare on each finished tile.
 - `screened_argmax`: the same tokens, screened on a low-precision copy of the head
   (`HeadScreen`, `make_screen`) and decided in fp32 among the rows the screen's rigorous error
   bound cannot rule out. The screen pass runs on the best instruction set the CPU has
-  (`usable_screen_isas`): AMX tiles on a bf16 copy (kernels/cpu/screened_argmax.cpp), else
-  AVX-512 BF16 (VDPBF16PS, kernels/cpu/screened_lanes.cpp), else AVX2 on an int16 copy
-  (VPMADDWD, kernels/cpu/screened_i16.cpp); each needs its own layout of the copy.
-- `quant_head.quant_argmax` (kernels/quant_head.py): a quantized head (`models.quant.QuantLinear`
+  (`usable_screen_isas`): AMX tiles on a bf16 copy (zooinfer_kernels/cpu/screened_argmax.cpp), else
+  AVX-512 BF16 (VDPBF16PS, zooinfer_kernels/cpu/screened_lanes.cpp), else AVX2 on an int16 copy
+  (VPMADDWD, zooinfer_kernels/cpu/screened_i16.cpp); each needs its own layout of the copy.
+- `quant_head.quant_argmax` (zooinfer_kernels/quant_head.py): a quantized head (`models.quant.QuantLinear`
   carrying a `quant_screen`), screened with int8 activations and decided on the exact product.
-- `argmax_rows` (kernels/cpu/argmax_rows.cpp): `logits.argmax(-1)` in one vectorised pass
+- `argmax_rows` (zooinfer_kernels/cpu/argmax_rows.cpp): `logits.argmax(-1)` in one vectorised pass
   per row (torch's CPU argmax over the last dim is a scalar loop).
 All return exactly torch.argmax's index: the first maximum, NaN counting as the maximum.
 `python -m bench.greedy_head` times them against the product + argmax they replace; the
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_build, elementwise, gemm, quant_head
+from zooinfer_kernels import cpu_build, elementwise, gemm, quant_head
 
 # Row counts for which `linear_argmax` replaces the LM head product + argmax: from 24 rows up
 # it is faster (it passes over the weight once per 64 rows but never writes or re-reads the
@@ -279,7 +279,7 @@ class GreedyHead:
                 or not elementwise.use_kernel(hidden)):
             return "logits"
         rows = hidden.shape[0]
-        if getattr(head, "quant_screen", None) is not None:    # a quantized head (kernels/quant_head.py)
+        if getattr(head, "quant_screen", None) is not None:    # a quantized head (zooinfer_kernels/quant_head.py)
             return "quant_argmax" if rows in quant_head.QUANT_ROWS else "logits"
         if getattr(head, "kind", None) != "panel":
             return "logits"

@@ -42,7 +42,7 @@
 //   8-bit pair sums reach 32512, two would saturate), so the float work (vpmaddwd, cvt, mul,
 //   FMA) is once per block and 8 columns instead of per column: about half the instructions of
 //   the row order per weight and row. Packing costs about as much as one row's products, so the
-//   module takes it from Q8_GEMM_MIN_ROWS rows (kernels/quant_gemm.py), as on VNNI.
+//   module takes it from Q8_GEMM_MIN_ROWS rows (zooinfer_kernels/quant_gemm.py), as on VNNI.
 // In both each output is one fp32 chain over its blocks in k order whatever the register tile,
 // block of rows or thread, so within an op a row's result does not depend on the batch size nor
 // on the thread count; on 8-bit weights the two ops give the same values.

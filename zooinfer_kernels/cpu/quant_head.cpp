@@ -1,4 +1,4 @@
-// The quantized greedy head's kernels (kernels/quant_head.py): the screen's product of an 8-bit head
+// The quantized greedy head's kernels (zooinfer_kernels/quant_head.py): the screen's product of an 8-bit head
 // (`quant_head_logits_q8`, below), and its candidate rows (`quant_head_candidates`): given the int8-activation
 // logits a [M, N] and per row m a margin 2B_m (B_m bounds |a - exact| for every column), the
 // columns n with a[m, n] >= max_n a[m, n] - 2B_m for some m, ascending. Only these can hold a

@@ -1,9 +1,9 @@
-"""Linears on quantized weights (kernels/cpu/quant_gemm*.cpp, quant_gemv_q8.cpp): the wrappers of their ops.
+"""Linears on quantized weights (zooinfer_kernels/cpu/quant_gemm*.cpp, quant_gemv_q8.cpp): the wrappers of their ops.
 
 The layout (`models.quant.QuantWeight` builds it): w[n, k] = scale[n, k // G] * (q[n, k] - zero)
 + min[n, k // G]; 4-bit weights two per byte (a 32-weight block is 16 bytes, byte j = weight j
 low nibble | weight j + 16 high nibble), 8-bit ones int8. K must be a multiple of 32 and of G.
-Storage as GGUF files ship it (kernels/cpu/quant_storage.h), given by the keyword arguments:
+Storage as GGUF files ship it (zooinfer_kernels/cpu/quant_storage.h), given by the keyword arguments:
 5- / 6-bit q as the 4-bit nibbles plus `qh` (int32 high-bit planes, one word per 32-weight
 block and plane), two-level scales as int8 `scale` / `minv` times float16 `scale_d` / `minv_d`
 per super-block.
@@ -12,14 +12,14 @@ per super-block.
 FMA, 2 AVX-512; all are built into the one library (per-function target attributes), so tests
 run each of them here. All need the kernel library (`cpu_build.available()`).
 
-`quant_linear_q8` (kernels/cpu/quant_gemv_q8.cpp) is the decode product with x quantized to int8
+`quant_linear_q8` (zooinfer_kernels/cpu/quant_gemv_q8.cpp) is the decode product with x quantized to int8
 per 32-block and integer dot products: not exact, within the bound its header states;
 `quantize_activations_q8` gives its int8 x for the tests. `quant_linear_q8_gemm`
-(kernels/cpu/quant_gemm_q8.cpp) computes the same formula for any number of rows, laid out as a
+(zooinfer_kernels/cpu/quant_gemm_q8.cpp) computes the same formula for any number of rows, laid out as a
 GEMM (16 output columns per register, each N tile's weights unpacked once per block of rows);
 `quant_linear_int8_act` picks between the two by row count (`q8_gemm_min_rows`). Their `isa`:
 -1 the best this CPU has (`q8_best_isa`), 2 the AVX-512 VNNI kernels above, 1 AVX2 + FMA
-(kernels/cpu/quant_q8_avx2.cpp: vpmaddubsw, the decode op in row order, the GEMM op in GEMM order
+(zooinfer_kernels/cpu/quant_q8_avx2.cpp: vpmaddubsw, the decode op in row order, the GEMM op in GEMM order
 for 4-bit weights; the path of CPUs without VNNI, and forced by tests on VNNI CPUs). On every
 path an op's rows do not depend on the row count.
 """

@@ -1,4 +1,4 @@
-"""The panel layout of linear weights and the panel GEMM (kernels/cpu/panel_gemm.cpp, panels.h).
+"""The panel layout of linear weights and the panel GEMM (zooinfer_kernels/cpu/panel_gemm.cpp, panels.h).
 
 A weight `[N, K]` packed once as contiguous column panels `[ceil(N/NR), K, NR]` is read in
 address order, each byte once per product, so a decode step's few rows stream the weight
@@ -34,10 +34,10 @@ def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tens
 
 
 def panel_linear_blocked(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`panel_linear` laid out for many rows (prefill chunks, kernels/cpu/panel_gemm_blocked.cpp):
+    """`panel_linear` laid out for many rows (prefill chunks, zooinfer_kernels/cpu/panel_gemm_blocked.cpp):
     x packed into 14-row tiles (6 rows and two half-panel passes without AVX-512), the partial
     sums kept in registers over k blocks of up to 768 steps, the rows split between threads. Same panels,
-    same result to fp32 rounding; `kernels.gemm_choice` decides from how many rows it runs, by
+    same result to fp32 rounding; `zooinfer_kernels.gemm_choice` decides from how many rows it runs, by
     measuring it against MKL at start-up."""
     return torch.ops.zooinfer_cpu.panel_linear_blocked.default(x, panels, n, bias)
 

@@ -25,7 +25,7 @@ executes and the cache misses others cause it. Which kernel is faster per core i
 the engine's thread count only splits the same work. `ZOOINFER_PREFILL_GEMM=blocked|mkl` forces
 `large` (and with it `panels_in_cache`: blocked needs panels, mkl keeps the cache-size rule);
 the forced value is what tests use to run each path, the fallback included.
-The choice is printed by `kernels.cpu_features.describe()` ("prefill_gemm ...").
+The choice is printed by `zooinfer_kernels.cpu_features.describe()` ("prefill_gemm ...").
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build, gemm
+from zooinfer_kernels import cpu_build, gemm
 
 ENV = "ZOOINFER_PREFILL_GEMM"
 CHOICES = ("blocked", "mkl")

@@ -2,13 +2,13 @@
 
 Why: the LM head is the largest weight a decode step reads. Gemma-3-270M's tied head is
 262144 x 640 in Q8_0 (178 MB, three quarters of the model's bytes); SmolLM2's is 49152 x 576
-Q8_0. The exact fp32 decode product on quantized weights (kernels/cpu/quant_gemm.cpp) widens
-every weight to fp32; the int8-activation kernel (kernels/cpu/quant_gemv_q8.cpp, VNNI) does
+Q8_0. The exact fp32 decode product on quantized weights (zooinfer_kernels/cpu/quant_gemm.cpp) widens
+every weight to fp32; the int8-activation kernel (zooinfer_kernels/cpu/quant_gemv_q8.cpp, VNNI) does
 the same product in integer dot products at a fraction of the instructions, but is not exact.
 A greedy step needs only the argmax, and that can be made exact cheaply:
 
 1. a = the int8-activation product x W^T (x rounded to int8 per 32-block, `quant_linear_q8`'s
-   formula; an 8-bit head, Q8_0 or int8, on a kernel of its own: kernels/cpu/quant_head.cpp);
+   formula; an 8-bit head, Q8_0 or int8, on a kernel of its own: zooinfer_kernels/cpu/quant_head.cpp);
 2. every row n satisfies |a_n - e_n| <= B, with e the exact fp32 decode product
    (`quant_linear`), where, with x^ the rounded x and W_int the integer part the int8 kernel
    multiplies by x^ (scale * q as the kernels read q; quant_gemv_q8.cpp's header):
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_build, lm_head, quant_gemm
+from zooinfer_kernels import cpu_build, lm_head, quant_gemm
 
 QUANT_ROWS = range(1, quant_gemm.Q8_MAX_ROWS + 1)   # rows a step may have for `quant_argmax`
 ROUNDING = 2.0 ** -21                               # per K: the fp32 rounding term of the bound (see above)
@@ -68,7 +68,7 @@ def make_quant_screen(qw, chunk_rows: int = 16384) -> QuantHeadScreen | None:
     cannot run: no kernel library, no AVX-512 VNNI, or non-finite scales (no bound). Exact sums
     of q^2 per group (int32) times the scales squared, in float64, a chunk of rows at a time.
     Gated on VNNI, not on the AVX2 int8-activation path (`quant_gemm.q8_available`): the 8-bit
-    heads' own kernel (`quant_head_logits_q8`, kernels/cpu/quant_head.cpp) is vpdpbusd only; AVX2
+    heads' own kernel (`quant_head_logits_q8`, zooinfer_kernels/cpu/quant_head.cpp) is vpdpbusd only; AVX2
     CPUs take the exact head product."""
     if not (cpu_build.available() and quant_gemm.vnni_available()):
         return None
@@ -118,7 +118,7 @@ def quant_argmax(x: torch.Tensor, head, screen: QuantHeadScreen) -> torch.Tensor
     if k_pad != head.in_features:
         x2 = F.pad(x2, (0, k_pad - head.in_features))
     xq_d = quant_gemm.quantize_activations_q8(x2)
-    if _plain_8bit(head):      # Q8_0 / int8: the head's own kernel (kernels/cpu/quant_head.cpp)
+    if _plain_8bit(head):      # Q8_0 / int8: the head's own kernel (zooinfer_kernels/cpu/quant_head.cpp)
         approx = torch.ops.zooinfer_cpu.quant_head_logits_q8.default(*xq_d, head.qs, head.scale, head.group)
     else:
         approx = quant_gemm.quant_linear_q8(x2, head.qs, head.scale, head.minv, head.bits, head.group, head.zero,
@@ -139,5 +139,5 @@ def _plain_8bit(head) -> bool:
 def candidates(logits: torch.Tensor, margin: torch.Tensor) -> torch.Tensor:
     """The columns n with logits[m, n] >= max_n logits[m, n] - margin[m] for some row m, ascending
     (int64); every column where a row's maximum or threshold is not finite
-    (kernels/cpu/quant_head.cpp)."""
+    (zooinfer_kernels/cpu/quant_head.cpp)."""
     return torch.ops.zooinfer_cpu.quant_head_candidates.default(logits, margin)

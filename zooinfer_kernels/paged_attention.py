@@ -1,4 +1,4 @@
-"""The paged attention kernels of kernels/cpu (paged_decode.cpp, paged_prefill.cpp, kv_write.cpp).
+"""The paged attention kernels of zooinfer_kernels/cpu (paged_decode.cpp, paged_prefill.cpp, kv_write.cpp).
 
 `paged_decode` is the CPU decode path of the torch backend (attention/torch_backend.py): it
 reads each page of a request once, token-major, with the query heads of a GQA group sharing
@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import torch
 
-from kernels import cpu_build
+from zooinfer_kernels import cpu_build
 
-# Page dtypes the kernels read (float32 q and out; bf16 / int8 pages convert, kernels/cpu/kv_elem.h)
+# Page dtypes the kernels read (float32 q and out; bf16 / int8 pages convert, zooinfer_kernels/cpu/kv_elem.h)
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
 def pages_contiguous(kv_cache: torch.Tensor) -> bool:
     """Whether the kernels can read `kv_cache`: `[blocks, 2, block_size, kv_heads, head_dim]`
     with every page (dims 1-4) contiguous and pages at least a page apart (any block stride).
-    Mirrors `pages_contiguous` in kernels/cpu/paged_checks.h."""
+    Mirrors `pages_contiguous` in zooinfer_kernels/cpu/paged_checks.h."""
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         return False
     _, _, bs, heads, dim = kv_cache.shape

@@ -15,7 +15,7 @@
 // output): only the last dim must be contiguous. Outputs are new contiguous tensors, the
 // same layout the torch code returns.
 //
-// Used from kernels/elementwise.py only in eager mode on fp32 CPU tensors; under torch.compile
+// Used from zooinfer_kernels/elementwise.py only in eager mode on fp32 CPU tensors; under torch.compile
 // the torch code stays so inductor fuses it itself.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
