@@ -17,8 +17,9 @@ EOS ignored. Every engine is fed token ids, never text.
   overrides the quantization method for ours only (e.g. int8; the peers always run fp32);
   `ours-q8` runs beside it with the same weights and int8 activations, `ours-fp32` with the fp32
   weights (`--engines ours,ours-q8,ours-fp32,openvino`). The
-  `smollm2` checkpoint directory loads as fp32 (no GGUF next to it, so `gguf` is refused
-  there); the zoo spec zoo/smollm2-135m.yaml is the one that defaults to its GGUF blocks.
+  `smollm2` / `gemma3` checkpoint directories load as fp32 (the peers' weights); with
+  `--quantization gguf` ours loads the zoo spec (zoo/<model>.yaml) instead, which names the
+  embedded GGUF (the converted folder holds none).
 - hf:    `AutoModelForCausalLM.generate`, static batches of `--hf-batch` in input order, left
   padding with an attention mask, greedy, default (sdpa) attention, float32.
 - hf-cb: transformers continuous batching `generate_batch` with an explicit
@@ -113,6 +114,13 @@ def resolve_model(name: str) -> tuple[str, Path]:
     if not p.exists():
         raise SystemExit(f"error: --model {name!r}: not tiny-llama, smollm2, gemma3, a spec file or an HF dir")
     return p.stem if p.is_file() else p.name, p
+
+
+def ours_path(label: str, path: Path, quantization: str | None) -> Path:
+    """What our LLM loads: `path`, except `--quantization gguf` on an embedded model, which takes
+    its zoo spec (the converted HF folder holds no GGUF; the spec names the embedded file)."""
+    spec = Path(__file__).resolve().parents[1] / "zoo" / f"{label}.yaml"
+    return spec if quantization == "gguf" and label in ("smollm2-135m", "gemma3-270m") else path
 
 
 def hf_dir_for(path: Path) -> Path:
@@ -310,21 +318,22 @@ def main(argv: list[str] | None = None) -> int:
 
     engines, versions = [], {}
     peer_len = args.max_model_len or (args.max_prompt + args.new_tokens + 16)
+    ours_at = ours_path(label, path, args.quantization)
     try:
         for name in engines_wanted:
             t0 = time.perf_counter()
             try:
                 if name == "ours":
-                    eng = Ours(path, args.max_model_len, args.prefix_caching, args.compile,
+                    eng = Ours(ours_at, args.max_model_len, args.prefix_caching, args.compile,
                                quantization=args.quantization)
                     versions[name] = "zooinfer" + (" compiled" if args.compile else " eager") + ours_quant(eng)
                 elif name == "ours-compiled":   # beside eager "ours" in the same run
-                    eng = Ours(path, args.max_model_len, args.prefix_caching, True, name=name,
+                    eng = Ours(ours_at, args.max_model_len, args.prefix_caching, True, name=name,
                                quantization=args.quantization)
                     versions[name] = "zooinfer compiled" + ours_quant(eng)
                 elif name in OURS_VARIANTS:
                     method, act = OURS_VARIANTS[name]
-                    eng = Ours(path, args.max_model_len, args.prefix_caching, args.compile, name=name,
+                    eng = Ours(ours_at, args.max_model_len, args.prefix_caching, args.compile, name=name,
                                quantization=method or args.quantization, activations=act)
                     versions[name] = "zooinfer" + (" compiled" if args.compile else " eager") + ours_quant(eng) + (
                         ", int8 activations" if act else "")

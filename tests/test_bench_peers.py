@@ -168,6 +168,19 @@ def test_choose_engines():
         choose_engines(None, "sglang")
 
 
+def test_ours_loads_the_zoo_spec_for_gguf_on_embedded_models(tmp_path):
+    """`--quantization gguf` on smollm2 / gemma3 gives our engine the zoo spec (which names the
+    embedded GGUF); every other method, and any other model, keeps the path it was given."""
+    from bench.throughput import ours_path
+    hf = tmp_path / "gemma3-270m"
+    assert ours_path("gemma3-270m", hf, "gguf").name == "gemma3-270m.yaml"
+    assert ours_path("gemma3-270m", hf, "gguf").is_file()
+    assert ours_path("smollm2-135m", hf, "gguf").name == "smollm2-135m.yaml"
+    assert ours_path("gemma3-270m", hf, "int4_asym") == hf
+    assert ours_path("gemma3-270m", hf, None) == hf
+    assert ours_path("tiny-llama", hf, "gguf") == hf
+
+
 def test_llamacpp_rope_permutation_maps_hf_rope_to_interleaved_rope():
     """The GGUF writer permutes Q/K rows so llama.cpp's interleaved rope on the permuted weights
     gives the same vector as HF's rotate-half rope, up to that same row order (so q.k is equal)."""
