@@ -16,7 +16,8 @@ EOS ignored. Every engine is fed token ids, never text.
   kept from the previous round would time cache hits, not generation. `--quantization`
   overrides the quantization method for ours only (e.g. int8; the peers always run fp32);
   `ours-q8` runs beside it with the same weights and int8 activations, `ours-fp32` with the fp32
-  weights (`--engines ours,ours-q8,ours-fp32,openvino`). The
+  weights (`--engines ours,ours-q8,ours-fp32,openvino`); each such variant is also paired by
+  round against every peer. The
   `smollm2` / `gemma3` checkpoint directories load as fp32 (the peers' weights); with
   `--quantization gguf` ours loads the zoo spec (zoo/<model>.yaml) instead, which names the
   embedded GGUF (the converted folder holds none).
@@ -422,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
             if name != "ours":
                 rows[name]["paired_speedup"] = p = paired_speedup(times["ours"], ts)
                 print(f"ours vs {name}, paired by round: {p['median']:.2f}x median ({p['min']:.2f}-{p['max']:.2f})")
+    for variant in (n for n in times if n.startswith("ours-")):     # ours-q8 / ours-fp32 against each peer too
+        for name, ts in times.items():
+            if not name.startswith("ours"):
+                rows[variant].setdefault("paired_vs", {})[name] = p = paired_speedup(times[variant], ts)
+                print(f"{variant} vs {name}, paired by round: {p['median']:.2f}x median ({p['min']:.2f}-{p['max']:.2f})")
     print(f"workload matrix FLOPs: {flops['total'] / 1e9:.1f} G (body {flops['linear'] / 1e9:.1f} over "
           f"{flops['body_tokens']} tokens, LM head {flops['lm_head'] / 1e9:.1f} over {flops['sampled_tokens']} "
           f"sampled tokens, attention {flops['attention'] / 1e9:.1f})")
