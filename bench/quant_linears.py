@@ -13,7 +13,7 @@ of the model's shapes, each weight its own copy (as in the model: a pass streams
 - int8act: what `QuantLinear(activations="int8")` runs (`quant_linear_int8_act`: the decode kernel
   below `q8_gemm_min_rows()` rows, the GEMM-ordered one from there on);
 - q8-decode / q8-gemm: either int8-activation kernel alone (decode: at most 16 rows), to place
-  `Q8_GEMM_MIN_ROWS`.
+  the crossover (`quant_gemm.Q8_GEMM_MIN_ROWS`, per int8 path).
 The paths alternate within every round (order reversed each round) so drift on a shared machine
 hits all; the table gives the median ms per pass and each path's speedup over fp32 (fp32 time / its
 time, median over rounds, paired by round).

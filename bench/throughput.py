@@ -120,8 +120,9 @@ def resolve_model(name: str) -> tuple[str, Path]:
 def ours_path(label: str, path: Path, quantization: str | None) -> Path:
     """What our LLM loads: `path`, except `--quantization gguf` on an embedded model, which takes
     its zoo spec (the converted HF folder holds no GGUF; the spec names the embedded file)."""
+    from models.embedded import EMBEDDED
     spec = Path(__file__).resolve().parents[1] / "zoo" / f"{label}.yaml"
-    return spec if quantization == "gguf" and label in ("smollm2-135m", "gemma3-270m") else path
+    return spec if quantization == "gguf" and label in EMBEDDED else path
 
 
 def hf_dir_for(path: Path) -> Path:

@@ -44,12 +44,12 @@ def on_short_lived_thread(fn):
     """Run `fn` (building the Engine an AsyncEngine will drive, warming it up) on a short-lived
     thread and return its result or raise its exception; build and warm through it, not on the
     thread that stays (runtime.serve does). torch's CPU ops run on an OpenMP thread team that
-    belongs to the thread that calls them and lives as long as it does. Built on the main thread, the engine
-    left a team there beside the engine thread's; libgomp, finding more of its threads than
-    cores, then only briefly spins between parallel regions and puts the workers to sleep, and
-    every region of every step woke them again: served decode ran 40% slower than offline with
-    0.4 cores idle (README, "Measured here", Zen 5). Built here, the team ends with this thread
-    and the engine thread's is the only one."""
+    belongs to the thread that calls them and lives as long as it does. Built on the main
+    thread, the engine left a team there beside the engine thread's; libgomp, finding more of
+    its threads than cores, then only briefly spins between parallel regions and puts the
+    workers to sleep, and every region of every step woke them again: served decode ran 40%
+    slower than offline with 0.4 cores idle (README, "Measured here", Zen 5). Built here, the
+    team ends with this thread and the engine thread's is the only one."""
     box: dict = {}
 
     def run():
