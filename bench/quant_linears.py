@@ -13,7 +13,8 @@ of the model's shapes, each weight its own copy (as in the model: a pass streams
 - int8act: what `QuantLinear(activations="int8")` runs (`quant_linear_int8_act`: the decode kernel
   below `q8_gemm_min_rows()` rows, the GEMM-ordered one from there on);
 - q8-decode / q8-gemm: either int8-activation kernel alone (decode: at most 16 rows), to place
-  the crossover (`quant_gemm.Q8_GEMM_MIN_ROWS`, per int8 path).
+  the crossover (`quant_gemm.Q8_GEMM_MIN_ROWS`, per int8 path); q8-gemm-amx the GEMM op on AMX-INT8
+  tiles (`isa` 3, opt-in: the same bits as the VNNI kernel).
 The paths alternate within every round (order reversed each round) so drift on a shared machine
 hits all; the table gives the median ms per pass and each path's speedup over fp32 (fp32 time / its
 time, median over rounds, paired by round).
@@ -21,6 +22,7 @@ time, median over rounds, paired by round).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -31,7 +33,7 @@ import torch
 from bench.prefill_gemm import layer_shapes
 from zooinfer_kernels import cpu_build, cpu_features, gemm, gemm_choice, quant_gemm
 
-PATHS = ("fp32", "exact", "int8act", "q8-decode", "q8-gemm")
+PATHS = ("fp32", "exact", "int8act", "q8-decode", "q8-gemm", "q8-gemm-amx")
 
 
 def make_weights(cfg: dict, fmt: str, gen: torch.Generator) -> list[tuple]:
@@ -52,7 +54,8 @@ def path_fn(path: str, linears: list[tuple], xs: dict[int, torch.Tensor]):
     from models.prepack import _packed_matmul
     blocked = gemm_choice.large_rows_use_blocked()
     q8 = {"int8act": quant_gemm.quant_linear_int8_act, "q8-decode": quant_gemm.quant_linear_q8,
-          "q8-gemm": quant_gemm.quant_linear_q8_gemm}
+          "q8-gemm": quant_gemm.quant_linear_q8_gemm,
+          "q8-gemm-amx": functools.partial(quant_gemm.quant_linear_q8_gemm, isa=3)}
 
     def run():
         for w, panels, qw in linears:
@@ -89,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: the C++ CPU kernels are unavailable; nothing to compare")
     if not quant_gemm.q8_available() and any(p.startswith(("int8", "q8")) for p in paths):
         raise SystemExit("error: this CPU lacks AVX2 + FMA; the int8-activation paths cannot run")
+    if "q8-gemm-amx" in paths and not quant_gemm.q8_amx_available():
+        raise SystemExit("error: this CPU or OS lacks AMX-INT8 tiles; the q8-gemm-amx path cannot run")
     from bench.throughput import hf_dir_for, resolve_model
     torch.set_num_threads(args.threads)
     label, path = resolve_model(args.model)

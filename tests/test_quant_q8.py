@@ -205,7 +205,8 @@ def test_isa_argument_errors_are_one_line():
     x = torch.randn(2, qw.k_pad)
     args = (qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)
     for op in (quant_gemm.quant_linear_q8, quant_gemm.quant_linear_q8_gemm):
-        with pytest.raises(RuntimeError, match=r"isa must be -1 \(best\), 1 \(AVX2\) or 2 \(AVX-512 VNNI\), got 0"):
+        with pytest.raises(RuntimeError, match=r"isa must be -1 \(best\), 1 \(AVX2\),? (or )?2 \(AVX-512 VNNI\)"
+                                               r"( or 3 \(AMX-INT8\))?, got 0"):
             op(x, *args, isa=0)
         if not quant_gemm.vnni_available():
             with pytest.raises(RuntimeError, match=r"isa 2 needs AVX-512 VNNI, which this CPU lacks"):

@@ -32,7 +32,7 @@ def _check(qw, w, rows: int, g: torch.Generator, isa: int = -1) -> torch.Tensor:
     x = torch.randn(rows, qw.k, generator=g) * torch.rand(rows, 1, generator=g) * 4
     x[0, :7] = 0.0                               # a zero stretch (an all-zero block when K is small)
     got = _gemm(x, qw, isa=isa)
-    xq, d = quant_gemm.quantize_activations_q8(F.pad(x, (0, qw.k_pad - qw.k)), isa)
+    xq, d = quant_gemm.quantize_activations_q8(F.pad(x, (0, qw.k_pad - qw.k)), min(isa, 2))   # AMX: VNNI's x
     dk = d.repeat_interleave(32, dim=1)[:, :qw.k]
     xhat = xq.float()[:, :qw.k] * dk
     fp32 = _bound(torch.maximum(x.abs(), xhat.abs()), qw)
@@ -128,6 +128,50 @@ def test_gemm_bias_and_errors(isa):
     with pytest.raises(RuntimeError, match="must divide K=100"):     # K not padded to the weight's
         quant_gemm.quant_linear_q8_gemm(torch.randn(20, 100), qw.qs, qw.scale, qw.min, qw.bits, qw.group,
                                         qw.zero, None, isa=isa)
+
+
+def _amx() -> bool:
+    from tests.test_quant_q8 import _q8_ready
+    if not _q8_ready():
+        return False
+    from zooinfer_kernels import quant_gemm
+    return quant_gemm.q8_amx_available()
+
+
+@pytest.mark.skipif(not _amx(), reason="needs AMX-INT8 tiles (and the OS's permission to use them)")
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_amx_kernel_gives_the_vnni_kernels_bits(case):
+    """isa 3 (AMX tiles) runs the same integer sums and the same fp32 operations in the same order
+    as the VNNI kernel: equal bits on every format, 1-150 rows (16-row tiles, scaled 4, 8, 12 or 16
+    rows at a time, x padded with zero rows), column tails, at 1 and 2 threads; and so the bound."""
+    _, qw, w = case
+    g = torch.Generator().manual_seed(29)
+    n = torch.get_num_threads()
+    for rows in (1, 3, 5, 16, 17, 33, 150):
+        x = torch.randn(rows, qw.k, generator=g)
+        try:
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                assert torch.equal(_gemm(x, qw, isa=3), _gemm(x, qw, isa=2)), (rows, threads)
+        finally:
+            torch.set_num_threads(n)
+    _check(qw, w, 40, g, isa=3)
+
+
+@needs_q8
+def test_amx_isa_errors_are_one_line():
+    from zooinfer_kernels import quant_gemm
+    _, qw, _ = WEIGHTS[1]
+    x = torch.randn(2, qw.k_pad)
+    args = (qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)
+    with pytest.raises(RuntimeError, match=r"isa must be -1 \(best\), 1 \(AVX2\), 2 \(AVX-512 VNNI\) or 3 "
+                                           r"\(AMX-INT8\), got 4"):
+        quant_gemm.quant_linear_q8_gemm(x, *args, isa=4)
+    if not quant_gemm.q8_amx_available():
+        with pytest.raises(RuntimeError, match="isa 3 needs AMX-INT8 tiles, which this CPU or OS lacks"):
+            quant_gemm.quant_linear_q8_gemm(x, *args, isa=3)
+    with pytest.raises(RuntimeError, match=r"quant_linear_q8: isa must be -1 \(best\), 1 \(AVX2\) or 2"):
+        quant_gemm.quant_linear_q8(x, *args, isa=3)      # the decode op has no AMX path
 
 
 @needs_q8

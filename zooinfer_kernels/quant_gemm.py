@@ -20,8 +20,10 @@ GEMM (16 output columns per register, each N tile's weights unpacked once per bl
 `quant_linear_int8_act` picks between the two by row count (`q8_gemm_min_rows`). Their `isa`:
 -1 the best this CPU has (`q8_best_isa`), 2 the AVX-512 VNNI kernels above, 1 AVX2 + FMA
 (zooinfer_kernels/cpu/quant_q8_avx2.cpp: vpmaddubsw, the decode op in row order, the GEMM op in GEMM order
-for 4-bit weights; the path of CPUs without VNNI, and forced by tests on VNNI CPUs). On every
-path an op's rows do not depend on the row count.
+for 4-bit weights; the path of CPUs without VNNI, and forced by tests on VNNI CPUs); the GEMM op
+also takes 3, AMX-INT8 tiles (zooinfer_kernels/cpu/quant_gemm_amx.cpp: the VNNI kernel's bits;
+opt-in, never picked by -1: measured slower than VNNI so far, see its header). On every path an
+op's rows do not depend on the row count.
 """
 from __future__ import annotations
 
@@ -75,6 +77,12 @@ def q8_available() -> bool:
 def vnni_available() -> bool:
     """Whether this CPU has the AVX-512 VNNI int8 kernels (isa 2; `quant_head_logits_q8` needs them)."""
     return q8_best_isa() == 2
+
+
+@functools.cache
+def q8_amx_available() -> bool:
+    """Whether `quant_linear_q8_gemm(..., isa=3)` runs here (AMX-INT8 tiles, granted by the OS)."""
+    return bool(torch.ops.zooinfer_cpu.quant_q8_amx_available())
 
 
 def quant_linear_q8(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,

@@ -33,7 +33,8 @@
 // sum_b |s| (dx_b / 2) sum_{k in b} |q_k| + fp32 rounding. Not bit-identical to the decode kernel
 // (other fp32 order). Needs AVX-512 F/BW/VL + VNNI, as the decode kernel (isa 2); on isa 1 (AVX2 +
 // FMA: no VNNI, or forced by the `isa` argument) the op runs quant_q8_avx2.cpp's kernels instead
-// (GEMM order for 4-bit weights; for 8-bit ones the decode op's row order).
+// (GEMM order for 4-bit weights; for 8-bit ones the decode op's row order). `isa` 3 runs the same
+// product on AMX-INT8 tiles (quant_gemm_amx.cpp: the same bits; opt-in, slower so far).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -45,113 +46,13 @@
 #include <memory>
 #include <vector>
 
-#include "quant_panels.h"
-#include "quant_xq.h"
+#include "quant_q8_tiles.h"
 
 namespace {
 
 using namespace zi_quant;
 
-constexpr int64_t NT = 16;    // columns per tile: one int32 lane each
 constexpr int RT = 6;         // rows per register tile: 2 x 6 int32 + 2 x 6 fp32 accumulators (7 spills)
-constexpr int64_t MB = 128;   // rows per block at least: the weights of a tile are unpacked once per block
-
-// Rows per block: the xq of up to ~1 MB of x (L2) and at least MB rows, a multiple of RT; each
-// block unpacks every tile again (at 128-row blocks the unpacking took ~12% of the op).
-inline int64_t row_block(int64_t K) { return std::max<int64_t>(MB, ((int64_t(1) << 20) / K) / RT * RT); }
-
-// Per call: x quantized, plus what the min / zero term and the 8-bit correction need.
-struct Prep {
-  XQ xq;                      // natural order, xq.ldq per row
-  std::vector<float> xsum;    // [M, ng] exact fp32 group sums (weights with an offset only)
-  std::vector<int32_t> corr;  // [M, K / U] -128 x sum of each unit's xq (8-bit weights only)
-  int64_t ng = 0, nu = 0;
-};
-
-ZI_VNNI void prep_rows(const float* x, int64_t K, int64_t G, int64_t U, bool sums, bool eight, int64_t m0,
-                       int64_t m1, Prep& p) {
-  quantize_rows(x, K, m0, m1, K, false, p.xq);
-  for (int64_t m = m0; m < m1; ++m) {
-    const float* xr = x + m * K;
-    for (int64_t g = 0; sums && g < p.ng; ++g) {     // 16 lanes summed in k order, then across lanes
-      __m512 a = _mm512_setzero_ps();
-      for (int64_t k = g * G; k < (g + 1) * G; k += 16) a = _mm512_add_ps(a, _mm512_loadu_ps(xr + k));
-      p.xsum[m * p.ng + g] = _mm512_reduce_add_ps(a);
-    }
-    const int8_t* q = p.xq.q.data() + m * p.xq.ldq;
-    for (int64_t u = 0; eight && u < p.nu; ++u) {
-      __m512i s = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + u * U)));
-      if (U == 32) s = _mm512_add_epi32(s, _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + u * U + 16))));
-      p.corr[m * p.nu + u] = -128 * _mm512_reduce_add_epi32(s);
-    }
-  }
-}
-
-// Columns c0..c0 + nc of the tile `t` (bits 4 or 8, fp32 scales) in the VNNI order: wt[k / 4] is
-// 64 bytes (16 columns x 4 weights, unsigned), su[u] the 16 columns' scales of unit u, off[g] their
-// offsets; columns past nc get zero weights, scales and offsets.
-ZI_VNNI void pack_tile(const QW& t, int64_t c0, int64_t nc, int64_t U, const uint8_t* zeros, uint8_t* wt, float* su,
-                       float* off) {
-  const int64_t K = t.k, ng = K / t.group, nu = K / U;
-  const uint8_t* ptr[NT];
-  for (int64_t c = 0; c < NT; ++c) ptr[c] = c < nc ? t.qs + (c0 + c) * t.row_bytes() : zeros;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), sign = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512i v[4];
-  // the next tile's rows (the 16 rows after these, contiguous) prefetched meanwhile, a share per block:
-  // this tile reads its rows 16 bytes at a time across 16 rows, which the hardware prefetchers follow poorly
-  const int64_t region = NT * t.row_bytes(), share = region / (K / 32);
-  const char* next = c0 + 2 * NT <= t.n ? reinterpret_cast<const char*>(t.qs + (c0 + NT) * t.row_bytes()) : nullptr;
-  for (int64_t b = 0; b < K / 32; ++b) {
-    for (int64_t o = b * share; next && o < (b + 1) * share; o += 64) __builtin_prefetch(next + o, 0, 0);
-    __m512i* dst = reinterpret_cast<__m512i*>(wt + b * 8 * 64);
-    if (t.bits == 4) {          // byte j: weight j low nibble, weight j + 16 high nibble
-      transpose16(ptr, b * 16, v);
-      for (int d = 0; d < 4; ++d) {
-        _mm512_store_si512(dst + d, _mm512_and_si512(v[d], low4));
-        _mm512_store_si512(dst + 4 + d, _mm512_and_si512(_mm512_srli_epi16(v[d], 4), low4));
-      }
-    } else {
-      for (int h = 0; h < 2; ++h) {
-        transpose16(ptr, b * 32 + h * 16, v);
-        for (int d = 0; d < 4; ++d) _mm512_store_si512(dst + 4 * h + d, _mm512_xor_si512(v[d], sign));
-      }
-    }
-  }
-  const float z = static_cast<float>(t.zero);
-  if (nc == NT) {                          // a full tile: the 16 columns' scales gathered per group
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(static_cast<int>(ng)));
-    const float* sc = t.scale + c0 * ng;
-    const float* mn = t.minv ? t.minv + c0 * ng : nullptr;
-    const __m512 zv = _mm512_set1_ps(z);
-    for (int64_t g = 0, u = 0; g < ng; ++g) {
-      const __m512 s = _mm512_i32gather_ps(idx, sc + g, 4);
-      for (const int64_t u1 = u + t.group / U; u < u1; ++u) _mm512_store_ps(su + u * NT, s);
-      if (off) {
-        const __m512 m = mn ? _mm512_i32gather_ps(idx, mn + g, 4) : _mm512_setzero_ps();
-        _mm512_store_ps(off + g * NT, _mm512_fnmadd_ps(zv, s, m));   // QW::offset, fused as GCC contracts the scalar form
-      }
-    }
-    return;
-  }
-  std::fill(su, su + nu * NT, 0.f);
-  if (off) std::fill(off, off + ng * NT, 0.f);
-  for (int64_t c = 0; c < nc; ++c) {       // no divisions in these loops: they run once per tile and block
-    const float* sc = t.scale + (c0 + c) * ng;
-    const float* mn = t.minv ? t.minv + (c0 + c) * ng : nullptr;
-    for (int64_t g = 0, u = 0; g < ng; ++g) {
-      for (const int64_t u1 = u + t.group / U; u < u1; ++u) su[u * NT + c] = sc[g];
-      if (off) off[g * NT + c] = (mn ? mn[g] : 0.f) - z * sc[g];     // QW::offset
-    }
-  }
-}
-
-// A packed tile (pack_tile's wt, su, off).
-struct Tile {
-  const uint8_t* wt;
-  const float* su;
-  const float* off;
-};
 
 // out rows m..m + R x the 16 columns of `a` (`cols` of them stored) and, with TWO, the 16 after
 // them of `b`: per 4 k, one weight vector per tile and one broadcast per row into one vpdpbusd per
@@ -239,7 +140,10 @@ at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const
                                 const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& qh,
                                 const c10::optional<at::Tensor>& scale_d, const c10::optional<at::Tensor>& minv_d,
                                 int64_t isa) {
-  const int64_t path = q8_pick_isa(isa, "quant_linear_q8_gemm");
+  TORCH_CHECK(isa >= -1 && isa <= 3 && isa != 0, "quant_linear_q8_gemm: isa must be -1 (best), 1 (AVX2), "
+              "2 (AVX-512 VNNI) or 3 (AMX-INT8), got ", isa);
+  TORCH_CHECK(isa != 3 || q8_amx_ready(), "quant_linear_q8_gemm: isa 3 needs AMX-INT8 tiles, which this CPU or OS lacks");
+  const int64_t path = isa == 3 ? 3 : q8_pick_isa(isa, "quant_linear_q8_gemm");   // AMX opt-in: quant_gemm_amx.cpp
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "quant_linear_q8_gemm: x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   const QW w = make_qw(qs, scale, minv, bits, group, zero, x.size(1), qh, scale_d, minv_d);
@@ -252,47 +156,25 @@ at::Tensor quant_linear_q8_gemm(const at::Tensor& x, const at::Tensor& qs, const
     const at::Tensor xc = x.contiguous();
     const float* xp = xc.data_ptr<float>();
     const int64_t U = G % 32 == 0 ? 32 : 16;          // G is a multiple of 16 (make_qw)
-    const bool eight = bits != 4, sums = w.has_min() || w.tile_zero();
+    const bool amx = path == 3, eight = bits != 4 && !amx, sums = w.has_min() || w.tile_zero();
+    const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;  // AMX loads x 16 rows a tile: zero rows past M
     Prep p;
     p.ng = K / G;
     p.nu = K / U;
-    p.xq = xq_alloc(M, K, false);
-    if (sums) p.xsum.assign(M * p.ng, 0.f);
-    if (eight) p.corr.assign(M * p.nu, 0);
+    p.xq = xq_alloc(Mp, K, false);
+    if (sums) p.xsum.assign(Mp * p.ng, 0.f);
+    if (eight) p.corr.assign(Mp * p.nu, 0);
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) { prep_rows(xp, K, G, U, sums, eight, m0, m1, p); });
     float* op = out.data_ptr<float>();
-    const int64_t pairs = (N + 2 * NT - 1) / (2 * NT), mb = row_block(K);
-    at::parallel_for(0, pairs, 1, [&](int64_t t0, int64_t t1) {
-      // per thread: two tiles' unpacked weights (64-byte aligned), scales and offsets
-      const int64_t wsz = NT * K + 64, ssz = p.nu * NT + 16, osz = sums ? p.ng * NT + 16 : 0;
-      std::unique_ptr<uint8_t[]> wbuf(new uint8_t[2 * wsz]);
-      std::vector<float> sbuf(2 * ssz), obuf(2 * osz);
-      auto align = [](auto* q) { return reinterpret_cast<decltype(q)>((reinterpret_cast<uintptr_t>(q) + 63) & ~uintptr_t(63)); };
-      uint8_t* wt[2] = {align(wbuf.get()), align(wbuf.get() + wsz)};
-      float* su[2] = {align(sbuf.data()), align(sbuf.data() + ssz)};
-      float* off[2] = {sums ? align(obuf.data()) : nullptr, sums ? align(obuf.data() + osz) : nullptr};
-      const std::vector<uint8_t> zeros(static_cast<size_t>(std::max<int64_t>(w.row_bytes(), 64)), 0);
-      for_row_tiles(w, 2, t0 * 2 * NT, std::min(N, t1 * 2 * NT), [&](const QW& t, int64_t r0, int64_t r1) {
-        for (int64_t m0 = 0; m0 < M; m0 += mb) {
-          const int64_t m1 = std::min(M, m0 + mb);
-          for (int64_t c0 = 0; c0 < r1 - r0;) {
-            float* o = op + r0 + c0;
-            const Tile a{wt[0], su[0], off[0]}, b{wt[1], su[1], off[1]};
-            if (c0 + 2 * NT <= r1 - r0) {          // two full tiles
-              pack_tile(t, c0, NT, U, zeros.data(), wt[0], su[0], off[0]);
-              pack_tile(t, c0 + NT, NT, U, zeros.data(), wt[1], su[1], off[1]);
-              run_tiles<true>(t.bits, U, a, b, K, G, p, m0, m1, o, N, 0xFFFF);
-              c0 += 2 * NT;
-            } else {                               // the last one, of up to 16 columns
-              const int64_t nc = std::min(NT, r1 - r0 - c0);
-              pack_tile(t, c0, nc, U, zeros.data(), wt[0], su[0], off[0]);
-              run_tiles<false>(t.bits, U, a, a, K, G, p, m0, m1, o, N, static_cast<__mmask16>((1u << nc) - 1));
-              c0 += nc;
-            }
-          }
-        }
-      });
-    });
+    if (amx) {
+      q8_gemm_amx(w, p, M, U, op);                    // quant_gemm_amx.cpp
+    } else {
+      for_packed_tiles(w, p, M, U, row_block(K, RT), true,
+                       [&](Tile a, Tile b, bool two, int64_t m0, int64_t m1, int64_t col, __mmask16 cols) {
+                         if (two) run_tiles<true>(w.bits == 4 ? 4 : 8, U, a, b, K, G, p, m0, m1, op + col, N, cols);
+                         else run_tiles<false>(w.bits == 4 ? 4 : 8, U, a, a, K, G, p, m0, m1, op + col, N, cols);
+                       });
+    }
   }
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == N, "quant_linear_q8_gemm: bias must have ", N, " elements, got ", bias->numel());
