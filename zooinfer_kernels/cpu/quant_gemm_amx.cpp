@@ -85,6 +85,8 @@ ZI_AMX void load_config(int64_t U) {
 }
 
 // The tile product of unit u into C tile 4 (even u) or 5 (odd), stored to cbuf[u & 1].
+// Two spelled-out branches: GCC's tile intrinsics paste their tile number into the assembly text,
+// so it cannot be a template parameter.
 template <bool EIGHT, int U>
 ZI_AMX ZI_INLINE void unit_product(const int8_t* xq, int64_t ldq, const uint8_t* wt, int64_t u,
                                    int32_t (*cbuf)[256]) {
