@@ -124,7 +124,7 @@ void screen_chunk(const uint16_t* wb, const uint16_t* xb, int64_t N, int64_t KS,
                   float* tmax, float* rm_out) {
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-  _tile_loadconfig(&cfg);
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));   // the whole struct as operand: quant_gemm_amx.cpp's load_config says why
   alignas(64) float cbuf[4][256];
   std::vector<__m512> rm(G, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
   const int64_t ld = G * 16;
