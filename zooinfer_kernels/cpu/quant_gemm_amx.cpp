@@ -30,28 +30,18 @@
 
 #include <immintrin.h>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
+#include "amx_perm.h"
 #include "quant_q8_tiles.h"
 
 namespace zi_quant {
 
 bool q8_amx_ready() {
-#if defined(__linux__) && defined(__x86_64__)
+#if defined(__x86_64__)
   static const bool ok = [] {
     __builtin_cpu_init();
-    if (!__builtin_cpu_supports("avx512f") || !__builtin_cpu_supports("avx512bw") ||
-        !__builtin_cpu_supports("avx512vl") || !__builtin_cpu_supports("avx512vnni"))
-      return false;
-    unsigned a, b, c, d;                       // CPUID 7.0 EDX: bit 24 AMX-TILE, bit 25 AMX-INT8
-    __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
-    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;
-    // Linux hands the tile data state to a process only on request (ARCH_REQ_XCOMP_PERM,
-    // XFEATURE_XTILEDATA); without it the first tile instruction faults.
-    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           zooinfer_amx::ready(zooinfer_amx::kInt8);
   }();
   return ok;
 #else

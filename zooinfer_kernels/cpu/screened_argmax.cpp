@@ -48,8 +48,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_perm.h"
 #define ZOOINFER_AMX 1
 #endif
 
@@ -62,11 +61,9 @@ constexpr int64_t KT = 32;        // k per tile step (bf16 pairs x 16)
 constexpr int64_t TILE = 512;     // bf16 elements per tile (1 KB)
 constexpr int64_t PF_PAIRS = 2;   // prefetch the vocab tile pair this far ahead
 
-// Linux hands AMX tile state to a process only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction faults.
 bool amx_ready() {
 #ifdef ZOOINFER_AMX
-  static const bool ok = [] { return syscall(SYS_arch_prctl, 0x1023, 18) == 0; }();
+  static const bool ok = zooinfer_amx::ready(zooinfer_amx::kBf16);
   return ok;
 #else
   return false;

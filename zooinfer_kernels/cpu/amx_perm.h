@@ -1,0 +1,40 @@
+// Whether this process may run AMX tile instructions: the CPU reports AMX-TILE and the tile
+// product a caller needs (CPUID 7.0 EDX bit 22 AMX-BF16, bit 25 AMX-INT8), and Linux granted the
+// tile data state. Linux hands that state to a process only on request (arch_prctl
+// ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18); without it the first tile
+// instruction faults. The request is made once per process, whichever kernel asks first.
+#pragma once
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace zooinfer_amx {
+
+constexpr int kBf16 = 22;  // CPUID 7.0 EDX bit of TDPBF16PS
+constexpr int kInt8 = 25;  // CPUID 7.0 EDX bit of TDPBSSD / TDPBSUD
+
+inline bool tile_data_granted() {
+#if defined(__linux__) && defined(__x86_64__)
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+#else
+  return false;
+#endif
+}
+
+// AMX-TILE, the product at CPUID 7.0 EDX bit `product_bit`, and the kernel's permission.
+inline bool ready(int product_bit) {
+#if defined(__linux__) && defined(__x86_64__)
+  unsigned a, b, c, d;
+  __asm__("cpuid" : "=a"(a), "=b"(b), "=c"(c), "=d"(d) : "a"(7), "c"(0));
+  if (!((d >> 24) & 1) || !((d >> product_bit) & 1)) return false;
+  return tile_data_granted();
+#else
+  (void)product_bit;
+  return false;
+#endif
+}
+
+}  // namespace zooinfer_amx
