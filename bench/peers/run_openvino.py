@@ -26,13 +26,22 @@ WEIGHT_ARGS = {"fp32": ["--weight-format", "fp32"], "int8": ["--weight-format", 
                "int4": ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"]}
 
 
+def export_cli() -> str:
+    """The ``ov-export`` peer venv's optimum-cli (beside this venv: ``<peers>/ov-export/venv``) where it
+    exists, else this venv's: optimum-intel 2.2.0 exports Gemma-2 / Gemma-3 only under transformers
+    <= 5.0, older than openvino-genai 2026.4 wants (bench/peers/setup.py)."""
+    own = Path(sys.executable).parent / "optimum-cli"
+    other = own.parents[3] / "ov-export" / "venv" / "bin" / "optimum-cli"
+    return str(other if other.exists() else own)
+
+
 def export(hf_dir: str, target: Path, weight_format: str = "fp32") -> None:
     if (target / "openvino_model.xml").exists():
         return
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".export-", dir=target.parent))
     try:
-        cli = str(Path(sys.executable).parent / "optimum-cli")
+        cli = export_cli()
         cmd = [cli, "export", "openvino", "--model", hf_dir, "--task", "text-generation-with-past",
                *WEIGHT_ARGS[weight_format], str(tmp)]
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)

@@ -13,6 +13,10 @@ Why each recipe looks the way it does:
   work with openvino-genai 2026.4, so it goes in last with ``--no-deps`` (its ``requests`` and
   ``torchvision`` then come from nowhere: ``requests`` is added by hand, the export needs it;
   ``torchvision`` is only for vision models);
+- ov-export: the same OpenVINO stack with transformers 5.0, only for ``optimum-cli export``:
+  optimum-intel 2.2.0 refuses to export Gemma-2 / Gemma-3 under transformers > 5.0 ("Maximum
+  required is 5.0"), and openvino-genai 2026.4 needs the newer transformers the openvino venv holds;
+  ``run_openvino`` exports with this venv's ``optimum-cli`` where it exists;
 - llama-cpp-python builds from source (no CPU wheel on PyPI); ``gguf`` converts the HF weights.
   Its build gets ``CMAKE_ARGS`` (``RECIPE_ENV``) that build only the library for this CPU
   (``GGML_NATIVE=ON``; no examples, tests, server), which took about 11 minutes on 2 cores.
@@ -35,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.peers import MARKER, VENV_PEERS, peers_root, venv_dir, venv_python
+from bench.peers import MARKER, peers_root, venv_dir, venv_python
 
 TORCH = "torch==2.13.0"
 
@@ -50,6 +54,12 @@ RECIPES: dict[str, list[list[str]]] = {
         ["install", "openvino==2026.4.*", "openvino-tokenizers==2026.4.*", "openvino-genai==2026.4.*",
          "nncf", "optimum~=2.3.0", "transformers<5.6", "huggingface-hub<1.22",
          "requests"],   # optimum.exporters imports it; optimum-intel (no deps) would have pulled it
+        ["install", "--no-deps", "optimum-intel==2.2.0"],
+    ],
+    "ov-export": [
+        ["install", TORCH],
+        ["install", "openvino==2026.4.*", "openvino-tokenizers==2026.4.*", "nncf", "optimum~=2.3.0",
+         "transformers==5.0.*", "huggingface-hub<1.22", "requests"],
         ["install", "--no-deps", "optimum-intel==2.2.0"],
     ],
     "llamacpp": [
@@ -149,13 +159,13 @@ def _build(name: str, venv: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("peers", nargs="*", default=["all"], help=f"{', '.join(VENV_PEERS)} or all")
+    ap.add_argument("peers", nargs="*", default=["all"], help=f"{', '.join(RECIPES)} or all")
     ap.add_argument("--force", action="store_true", help="rebuild even when the marker says done")
     args = ap.parse_args(argv)
-    names = list(VENV_PEERS) if "all" in args.peers else args.peers
+    names = list(RECIPES) if "all" in args.peers else args.peers
     for n in names:
         if n not in RECIPES:
-            ap.error(f"unknown peer {n!r}; choose from {', '.join(VENV_PEERS)} or all")
+            ap.error(f"unknown peer {n!r}; choose from {', '.join(RECIPES)} or all")
     print(f"peer venvs under {peers_root()}")
     failed = []
     for n in names:
