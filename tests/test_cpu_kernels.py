@@ -62,7 +62,7 @@ def _paths(layout, cache, q, scale, monkeypatch):
 CTX = [1, 16, 32, 5, 47, 190, 17, 64, 2, 100]          # 1 token, exact block multiples, ragged
 
 
-@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 8, 32), (8, 2, 64), (6, 2, 24)])
+@pytest.mark.parametrize("heads, kv_heads, dim", [(8, 8, 32), (8, 2, 64), (6, 2, 24), (4, 1, 256)])
 @pytest.mark.parametrize("window", [None, 5, 40])
 def test_kernel_matches_sparse_padded_and_reference(heads, kv_heads, dim, window, monkeypatch):
     layout, cache, q = _batch(heads, kv_heads, dim, CTX, window, seed=heads + dim + (window or 0))

@@ -104,7 +104,7 @@ MIXED = dict(ctx=[1, 40, 17, 95, 33, 64], qlen=[1, 1, 17, 30, 1, 5])   # decodes
 
 @needs_cxx
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("heads, kv_heads, dim, window", [(6, 2, 64, None), (4, 4, 24, 20)])
+@pytest.mark.parametrize("heads, kv_heads, dim, window", [(6, 2, 64, None), (4, 4, 24, 20), (4, 1, 256, 40)])
 def test_kernels_on_bf16_and_int8_pages(dtype, heads, kv_heads, dim, window, monkeypatch):
     """A mixed batch (decodes + prefill chunks over earlier pages, shuffled blocks) through the
     backend's write + attention, C++ kernels on, against the float32 kernels on a float32 cache

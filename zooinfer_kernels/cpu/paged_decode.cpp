@@ -159,23 +159,30 @@ struct PagePrefetch {
 };
 
 // Scores of one query head against rows [t0, t1) of one kv head's K in a page (rows
-// `stride` floats apart): p[t] = q . k_t. KD > 0 (a multiple of 8): the query stays in
-// registers and eight rows are reduced together; KD == 0: one dot product per row.
+// `stride` floats apart): p[t] = q . k_t. KD > 0 (a multiple of 8): eight rows are reduced
+// together, the query in registers a chunk of up to 128 dims at a time (Gemma-3's 256-dim heads
+// take two chunks: 16 query and 8 sum registers fit AVX-512's 32, a whole 256-dim query would
+// spill); KD == 0: one dot product per row.
+template <int64_t KD>
+constexpr int64_t kChunk = KD > 128 && KD % 128 == 0 ? 128 : KD;
+
 template <int64_t KD, class T>
 inline void head_scores(const float* __restrict qv, const T* __restrict k, int64_t stride, int64_t t0,
                         int64_t t1, int64_t dim, float* __restrict p, PagePrefetch* pf) {
   int64_t t = t0;
   if constexpr (KD > 0) {
-    constexpr int64_t NV = KD / 8;
-    vf qr[NV];
-    for (int64_t c = 0; c < NV; ++c) qr[c] = load(qv + 8 * c);
+    constexpr int64_t CH = kChunk<KD>, NV = CH / 8;
     for (; t + 8 <= t1; t += 8) {
       if (pf) for (int u = 0; u < 8; ++u) pf->step();
       vf a[8];
-      for (int u = 0; u < 8; ++u) {
-        const T* row = k + (t + u) * stride;
-        a[u] = qr[0] * load_kv(row);
-        for (int64_t c = 1; c < NV; ++c) a[u] += qr[c] * load_kv(row + 8 * c);
+      for (int u = 0; u < 8; ++u) a[u] = splat(0.f);   // 0 + q k rounds as q k does: the same sums as a first product
+      for (int64_t c0 = 0; c0 < KD; c0 += CH) {
+        vf qr[NV];
+        for (int64_t c = 0; c < NV; ++c) qr[c] = load(qv + c0 + 8 * c);
+        // dims outer, rows inner: eight independent FMA chains in flight (rows outer left one
+        // dependent chain of NV FMAs per row, latency-bound; each row's sum order is the same)
+        for (int64_t c = 0; c < NV; ++c)
+          for (int u = 0; u < 8; ++u) a[u] += qr[c] * load_kv(k + (t + u) * stride + c0 + 8 * c);
       }
       store(p + t, hsum8(a));
     }
@@ -186,21 +193,24 @@ inline void head_scores(const float* __restrict qv, const T* __restrict k, int64
   }
 }
 
-// acc += sum over rows t in [t0, t1) of w[t] * v_t; KD > 0: the accumulator stays in registers.
+// acc += sum over rows t in [t0, t1) of w[t] * v_t; KD > 0: the accumulator stays in registers,
+// a chunk of up to 128 dims at a time (the page's V rows are in L1 by the second chunk).
 template <int64_t KD, class T>
 inline void head_values(float* __restrict acc, const float* __restrict w, const T* __restrict v,
                         int64_t stride, int64_t t0, int64_t t1, int64_t dim, PagePrefetch* pf) {
   if constexpr (KD > 0) {
-    constexpr int64_t NV = KD / 8;
-    vf o[NV];
-    for (int64_t c = 0; c < NV; ++c) o[c] = load(acc + 8 * c);
-    for (int64_t t = t0; t < t1; ++t) {
-      if (pf) pf->step();
-      const vf wt = splat(w[t]);
-      const T* row = v + t * stride;
-      for (int64_t c = 0; c < NV; ++c) o[c] += wt * load_kv(row + 8 * c);
+    constexpr int64_t CH = kChunk<KD>, NV = CH / 8;
+    for (int64_t c0 = 0; c0 < KD; c0 += CH) {
+      vf o[NV];
+      for (int64_t c = 0; c < NV; ++c) o[c] = load(acc + c0 + 8 * c);
+      for (int64_t t = t0; t < t1; ++t) {
+        if (pf && c0 == 0) pf->step();
+        const vf wt = splat(w[t]);
+        const T* row = v + t * stride + c0;
+        for (int64_t c = 0; c < NV; ++c) o[c] += wt * load_kv(row + 8 * c);
+      }
+      for (int64_t c = 0; c < NV; ++c) store(acc + c0 + 8 * c, o[c]);
     }
-    for (int64_t c = 0; c < NV; ++c) store(acc + 8 * c, o[c]);
   } else {
     for (int64_t t = t0; t < t1; ++t) {
       if (pf) pf->step();
@@ -353,7 +363,7 @@ void paged_decode(const at::Tensor& q, const at::Tensor& kv_cache, const at::Ten
     at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
       std::vector<float> scratch(heads_per_item * s.group * (2 * s.dim + s.block_size + 10));
       auto* fn = s.dim == 16 ? decode_one<16, T> : s.dim == 32 ? decode_one<32, T> : s.dim == 64 ? decode_one<64, T>
-               : s.dim == 128 ? decode_one<128, T> : decode_one<0, T>;   // other dims: runtime loops
+               : s.dim == 128 ? decode_one<128, T> : s.dim == 256 ? decode_one<256, T> : decode_one<0, T>;   // other dims: runtime loops
       for (int64_t k = next.fetch_add(1); k < items; k = next.fetch_add(1)) {
         const int64_t item = order[k];
         const int64_t i = item / split, h0 = (item % split) * heads_per_item;
