@@ -148,11 +148,11 @@ class Ours:
 
     def __init__(self, path: Path, max_model_len: int | None, prefix_caching: bool = False,
                  compile: bool = False, name: str = "ours", quantization: str | None = None,
-                 activations: str | None = None):
+                 activations: str | None = None, kv_cache_dtype: str = "auto"):
         from runtime import LLM, SamplingParams
         self.name = name
         kwargs = dict(max_num_seqs=64, max_num_batched_tokens=2048, dtype="float32",
-                      enable_prefix_caching=prefix_caching, compile=compile)
+                      enable_prefix_caching=prefix_caching, compile=compile, kv_cache_dtype=kv_cache_dtype)
         if quantization is not None:
             kwargs["quantization"] = quantization
         if activations is not None:
@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile our model")
     ap.add_argument("--quantization", default=None,
                     help="ours only: override the spec's quantization (none = the fp32 weights the peers run)")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="our K/V pages: auto (fp32), bfloat16, int8 (OpenVINO's CPU default is u8 KV)")
     ap.add_argument("--openvino-weights", choices=("fp32", "int8", "int4"), default="fp32",
                     help="the OpenVINO peer's exported weights (int8 / int4: NNCF-compressed, against ours with "
                          "--quantization); compute and KV stay f32")
@@ -312,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     n_out = args.requests * args.new_tokens
     peer_weights = "fp32 peers" + (f" (OpenVINO {args.openvino_weights} weights)" if args.openvino_weights != "fp32" else "")
     print(f"model {label} ({hf_dir}), {peer_weights}, ours quantization {args.quantization or 'as the spec says'}, "
-          f"threads {torch.get_num_threads()}")
+          f"ours KV {args.kv_cache_dtype}, threads {torch.get_num_threads()}")
     print(cpu_features.describe())
     print(f"workload: {args.requests} requests, prompt {args.min_prompt}-{args.max_prompt} tokens "
           f"({n_prompt} total), {args.new_tokens} new tokens each ({n_out} total), seed {args.seed}")
@@ -327,16 +329,17 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if name == "ours":
                     eng = Ours(ours_at, args.max_model_len, args.prefix_caching, args.compile,
-                               quantization=args.quantization)
+                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
                     versions[name] = "zooinfer" + (" compiled" if args.compile else " eager") + ours_quant(eng)
                 elif name == "ours-compiled":   # beside eager "ours" in the same run
                     eng = Ours(ours_at, args.max_model_len, args.prefix_caching, True, name=name,
-                               quantization=args.quantization)
+                               quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
                     versions[name] = "zooinfer compiled" + ours_quant(eng)
                 elif name in OURS_VARIANTS:
                     method, act = OURS_VARIANTS[name]
                     eng = Ours(ours_at, args.max_model_len, args.prefix_caching, args.compile, name=name,
-                               quantization=method or args.quantization, activations=act)
+                               quantization=method or args.quantization, activations=act,
+                               kv_cache_dtype=args.kv_cache_dtype)
                     versions[name] = "zooinfer" + (" compiled" if args.compile else " eager") + ours_quant(eng) + (
                         ", int8 activations" if act else "")
                 elif name in HF_PEERS:

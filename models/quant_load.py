@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from zooinfer_kernels.head_amx import make_amx_screen
 from zooinfer_kernels.quant_head import make_quant_screen
 from models.quant import QuantLinear, quantize_int4, quantize_int8
 from models.spec import QUANT_METHODS, ModelSpec
@@ -86,11 +87,13 @@ def apply_quantization(model: nn.Module, spec: ModelSpec, method: str | None = N
 
 def attach_head_screen(model: nn.Module) -> None:
     """Give a quantized LM head the norms that let greedy steps take its argmax from the int8
-    product, decided exactly (`quant_screen`, zooinfer_kernels/quant_head.py); nothing where that kernel
-    cannot run (the greedy head then computes the logits)."""
+    product, decided exactly (`quant_screen`, zooinfer_kernels/quant_head.py), and for steps past its
+    16 rows its bf16 copy screened on AMX (`amx_screen`, zooinfer_kernels/head_amx.py); nothing
+    where a kernel cannot run (the greedy head then computes the logits)."""
     head = getattr(model, "lm_head", None)
     if isinstance(head, QuantLinear) and head.bias is None:
         head.quant_screen = make_quant_screen(head.qweight)
+        head.amx_screen = make_amx_screen(head.qweight, head.quant_screen)   # batched steps, AMX only
 
 
 def fp8_block_size(path: Path) -> tuple[int, int]:

@@ -215,3 +215,6 @@ def test_engine_overrides_the_specs_activations(tmp_path):
         assert mods and all(m.act_int8 for m in mods)
         outs.append([o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)])
     assert outs[0] == outs[1] and all(len(t) == 8 for t in outs[0])
+    # int8 activations on unquantized weights would change nothing: an error, not a silent no-op
+    with pytest.raises(ValueError, match=r"quantization_activations='int8' .* unquantized weights \(quantization 'none'\)"):
+        LLM("zoo/smollm2-tiny.yaml", quantization="none", quantization_activations="int8")

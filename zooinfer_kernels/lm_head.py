@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zooinfer_kernels import cpu_build, elementwise, gemm, quant_head
+from zooinfer_kernels import cpu_build, elementwise, gemm, head_amx, quant_head
 
 # Row counts for which `linear_argmax` replaces the LM head product + argmax: from 24 rows up
 # it is faster (it passes over the weight once per 64 rows but never writes or re-reads the
@@ -272,7 +272,8 @@ class GreedyHead:
 
     def path(self, hidden: torch.Tensor) -> str:
         """The path `tokens` takes for these hidden states: "screened_argmax", "linear_argmax",
-        "quant_argmax" (a quantized head with a `quant_screen`), or "logits" (the caller
+        "quant_argmax" (a quantized head with a `quant_screen`), "amx_argmax" (past its rows, with an
+        `amx_screen`), or "logits" (the caller
         computes the logits; `argmax` then picks from them)."""
         head = self.head
         if (head is None or getattr(head, "bias", None) is not None or self.logits_scaling != 1.0
@@ -280,7 +281,10 @@ class GreedyHead:
             return "logits"
         rows = hidden.shape[0]
         if getattr(head, "quant_screen", None) is not None:    # a quantized head (zooinfer_kernels/quant_head.py)
-            return "quant_argmax" if rows in quant_head.QUANT_ROWS else "logits"
+            if rows in quant_head.QUANT_ROWS:
+                return "quant_argmax"
+            amx = getattr(head, "amx_screen", None) is not None and rows in head_amx.AMX_ROWS
+            return "amx_argmax" if amx else "logits"
         if getattr(head, "kind", None) != "panel":
             return "logits"
         screen = getattr(head, "screen", None)
@@ -300,6 +304,8 @@ class GreedyHead:
             return linear_argmax(hidden, head.packed, head.out_features)
         if path == "quant_argmax":
             return quant_head.quant_argmax(hidden, head, head.quant_screen)
+        if path == "amx_argmax":
+            return head_amx.amx_argmax(hidden, head, head.amx_screen)
         return None
 
     @staticmethod
