@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from zooinfer_kernels import cpu_build, lm_head, quant_head
+from zooinfer_kernels import cpu_build, lm_head, quant_gemm, quant_head
 
-AMX_ROWS = range(quant_head.QUANT_ROWS.stop, sys.maxsize)   # rows for which `amx_argmax` replaces the logits
+AMX_ROWS = range(quant_gemm.Q8_MAX_ROWS + 1, sys.maxsize)   # past `quant_head.QUANT_ROWS`: `amx_argmax` replaces the logits
 VT, KT = 16, 32                                             # B tile: 16 vocab rows x 32 k (head_amx.cpp)
 S_ROUNDING = 2.0 ** -21                                     # per K: the tiles' fp32 sums
 FLUSH = 2.0 ** -120                                         # per K: flushed denormal inputs / products
@@ -134,6 +134,6 @@ def amx_argmax(x: torch.Tensor, head, screen: AmxHeadScreen) -> torch.Tensor:
     s, xb = screen_logits(x2, screen, head.out_features)
     cols = quant_head.candidates(s, 2 * error_bound(x2, xb, screen))
     rows = cols if cols.numel() < head.out_features else None
-    step = quant_head.QUANT_ROWS.stop - 1            # the decode kernel's rows: per row the full product's bits
+    step = quant_gemm.Q8_MAX_ROWS                    # the decode kernel's rows (QUANT_ROWS): per row the full product's bits
     picks = [lm_head.argmax(quant_head._exact(x2[i:i + step], head, rows)) for i in range(0, len(x2), step)]
     return cols[torch.cat(picks)]

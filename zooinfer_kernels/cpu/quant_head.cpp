@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -72,20 +73,32 @@ at::Tensor quant_head_candidates(const at::Tensor& logits, const at::Tensor& mar
   const int64_t M = a.size(0), N = a.size(1);
   const float* ap = a.data_ptr<float>();
   const double* mp = mg.data_ptr<double>();
-  std::vector<uint8_t> marks(N, 0);
-  bool all = false;
-  for (int64_t m = 0; m < M && !all; ++m) {
-    const float top = row_max(ap + m * N, N);
-    const double limit = static_cast<double>(top) - mp[m];
-    if (!std::isfinite(top) || !std::isfinite(limit)) {
-      all = true;
-      break;
+  // Rows split over threads (batched steps: 32 rows of Gemma-3's 262144 logits are 64 MB of reads),
+  // each thread marking its own map; the maps are OR-ed after.
+  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), M));
+  std::vector<std::vector<uint8_t>> maps(parts);
+  std::atomic<bool> all{false};
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      std::vector<uint8_t>& marks = maps[p];
+      marks.assign(N, 0);
+      for (int64_t m = p * M / parts; m < (p + 1) * M / parts && !all.load(std::memory_order_relaxed); ++m) {
+        const float top = row_max(ap + m * N, N);
+        const double limit = static_cast<double>(top) - mp[m];
+        if (!std::isfinite(top) || !std::isfinite(limit)) {
+          all.store(true);
+          break;
+        }
+        float thr = static_cast<float>(limit);
+        if (static_cast<double>(thr) > limit) thr = std::nextafter(thr, -std::numeric_limits<float>::infinity());
+        mark_at_least(ap + m * N, N, thr, marks.data());
+      }
     }
-    float thr = static_cast<float>(limit);
-    if (static_cast<double>(thr) > limit) thr = std::nextafter(thr, -std::numeric_limits<float>::infinity());
-    mark_at_least(ap + m * N, N, thr, marks.data());
-  }
-  if (all) return at::arange(N, logits.options().dtype(at::kLong));
+  });
+  if (all.load()) return at::arange(N, logits.options().dtype(at::kLong));
+  std::vector<uint8_t>& marks = maps[0];
+  for (int64_t p = 1; p < parts; ++p)
+    for (int64_t n = 0; n < N; ++n) marks[n] |= maps[p][n];
   int64_t count = 0;
   for (int64_t n = 0; n < N; ++n) count += marks[n];
   at::Tensor cols = at::empty({count}, logits.options().dtype(at::kLong));
