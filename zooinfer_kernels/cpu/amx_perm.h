@@ -3,7 +3,10 @@
 // tile data state. Linux hands that state to a process only on request (arch_prctl
 // ARCH_REQ_XCOMP_PERM = 0x1023 for XFEATURE_XTILEDATA = 18); without it the first tile
 // instruction faults. The request is made once per process, whichever kernel asks first.
+// Also the tile configuration every AMX kernel loads (`TileConfig`, `load_config`).
 #pragma once
+
+#include <cstdint>
 
 #if defined(__linux__) && defined(__x86_64__)
 #include <sys/syscall.h>
@@ -35,6 +38,25 @@ inline bool ready(int product_bit) {
   (void)product_bit;
   return false;
 #endif
+}
+
+// The 64-byte operand of ldtilecfg (palette 1): bytes per row and rows of each of the 16 tiles.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Loads `cfg` as this thread's tile configuration. Not _tile_loadconfig: GCC 12's declares a
+// pointer-sized memory operand, so the compiler may drop the stores of the rows and columns before
+// it (the tiles then stay unconfigured: SIGILL); the whole struct is the asm operand here.
+inline void load_config(const TileConfig& cfg) { __asm__ volatile("ldtilecfg %0" ::"m"(cfg)); }
+
+// Tiles 0-7 as 16 rows x 64 bytes each (the bf16 screens' configuration).
+inline void load_full_tiles() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
+  load_config(cfg);
 }
 
 }  // namespace zooinfer_amx

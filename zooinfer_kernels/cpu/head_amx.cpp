@@ -42,12 +42,6 @@ bool bf16_ready() {
 }
 
 #ifdef ZOOINFER_AMX_HEAD
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // C tiles 0/1: x rows a0 x vocab tiles b0/b1; with TWO, C tiles 2/3: x rows a1.
 template <bool TWO>
 inline void pair_tiles(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b0, const uint16_t* b1,
@@ -87,9 +81,7 @@ inline void store_tile(const float* c, int64_t m0, int64_t rows, int64_t n0, int
 void run_pairs(const uint16_t* xb, const uint16_t* wt, int64_t M, int64_t Mp, int64_t Kp, int64_t N, int64_t pb,
                int64_t pe, float* out) {
   const int64_t KS = Kp / 32;
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));   // the whole struct as operand: quant_gemm_amx.cpp's load_config says why
+  zooinfer_amx::load_full_tiles();
   alignas(64) float cbuf[4][256];
   for (int64_t p = pb; p < pe; ++p) {
     const uint16_t* b0 = wt + 2 * p * KS * TILE;

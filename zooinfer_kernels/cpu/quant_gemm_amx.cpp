@@ -57,11 +57,7 @@ using namespace zi_quant;
 
 #define ZI_AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
+using zooinfer_amx::TileConfig;
 
 // Tiles 0 / 1: A (x) for even / odd units; 2 / 3: B (weights); 4 / 5: C.
 ZI_AMX void load_config(int64_t U) {
@@ -69,9 +65,7 @@ ZI_AMX void load_config(int64_t U) {
   for (int t : {0, 1}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(U);
   for (int t : {2, 3}) cfg.rows[t] = static_cast<uint8_t>(U / 4), cfg.colsb[t] = 64;
   for (int t : {4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  // not _tile_loadconfig: GCC 12's declares a pointer-sized memory operand, so the compiler may drop
-  // the stores of the rows and columns before it (the tiles then stay unconfigured: SIGILL)
-  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+  zooinfer_amx::load_config(cfg);
 }
 
 // The tile product of unit u into C tile 4 (even u) or 5 (odd), stored to cbuf[u & 1].

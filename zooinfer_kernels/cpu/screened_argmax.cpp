@@ -71,12 +71,6 @@ bool amx_ready() {
 }
 
 #ifdef ZOOINFER_AMX
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 // C tiles 0/1: vocab tiles a0/a1 x token group b0; with TWO, C tiles 2/3: the same x group b1.
 template <bool TWO>
 inline void pair_groups(const uint16_t* a0, const uint16_t* a1, const uint16_t* b0, const uint16_t* b1, int64_t KS,
@@ -119,9 +113,7 @@ inline void tile_max(const float* buf, int valid, float* dst, __m512& rm) {
 // the running maximum of each token lane into rm_out [G * 16].
 void screen_chunk(const uint16_t* wb, const uint16_t* xb, int64_t N, int64_t KS, int64_t G, int64_t pb, int64_t pe,
                   float* tmax, float* rm_out) {
-  TileConfig cfg;
-  for (int i = 0; i < 8; ++i) cfg.colsb[i] = 64, cfg.rows[i] = 16;
-  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));   // the whole struct as operand: quant_gemm_amx.cpp's load_config says why
+  zooinfer_amx::load_full_tiles();
   alignas(64) float cbuf[4][256];
   std::vector<__m512> rm(G, _mm512_set1_ps(-std::numeric_limits<float>::infinity()));
   const int64_t ld = G * 16;
