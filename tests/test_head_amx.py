@@ -128,7 +128,7 @@ def test_greedy_head_takes_the_amx_path_past_the_decode_rows_only(monkeypatch):
     assert head_amx.make_amx_screen(head.qweight, head.quant_screen) is None
 
 
-def test_engine_batched_greedy_tokens_unchanged_with_the_amx_screen():
+def test_engine_batched_greedy_tokens_unchanged_with_the_amx_screen(monkeypatch):
     """SmolLM2 on its GGUF (Q8_0 head), float32 activations, 20 prompts in one batch: the engine's
     greedy head takes `amx_argmax` for the 20-row steps and gives the same 12 tokens per prompt as
     the logits path (the exact product's argmax, the head's screens off)."""
@@ -137,24 +137,13 @@ def test_engine_batched_greedy_tokens_unchanged_with_the_amx_screen():
     llm = LLM("zoo/smollm2-135m.yaml", max_num_seqs=32, enable_prefix_caching=False)
     head = llm.engine.model.lm_head
     assert head.amx_screen is not None
-    calls = []
-    orig = head_amx.amx_argmax
-
-    def counted(*args):
-        calls.append(args[0].shape[0])
-        return orig(*args)
+    calls, orig = [], head_amx.amx_argmax
+    monkeypatch.setattr(head_amx, "amx_argmax", lambda x, *rest: calls.append(x.shape[0]) or orig(x, *rest))
     prompts = [{"prompt_token_ids": list(range(300 + 11 * i, 330 + 13 * i))} for i in range(20)]
     sp = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    head_amx.amx_argmax = counted
-    try:
-        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        head_amx.amx_argmax = orig
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert calls and max(calls) == 20
-    screens = head.quant_screen, head.amx_screen
-    head.quant_screen = head.amx_screen = None
-    try:
-        want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    finally:
-        head.quant_screen, head.amx_screen = screens
+    monkeypatch.setattr(head, "quant_screen", None)     # the logits path: the exact product's argmax
+    monkeypatch.setattr(head, "amx_screen", None)
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want

@@ -52,8 +52,9 @@ class AmxHeadScreen:
 
 
 def available() -> bool:
-    """Whether this CPU and build run the AMX-BF16 screen (CPUID and the kernel's tile permission)."""
-    return cpu_build.available() and bool(torch.ops.zooinfer_cpu.head_bf16_amx_available())
+    """Whether this CPU and build run AMX-BF16 tiles (CPUID and the kernel's tile permission): the
+    readiness the fp32 head's AMX screen already reports (`cpu_build.amx_available`)."""
+    return cpu_build.amx_available()
 
 
 def pack_pair_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -69,11 +70,11 @@ def pack_pair_tiles(w: torch.Tensor) -> torch.Tensor:
 
 def _dequantized(qw) -> torch.Tensor:
     """The head's weights [n, k_pad] in float64, exactly as the fp32 kernels' formula has them:
-    scale (q - zero) + min per group."""
+    scale (q - zero) + min per group (the scales broadcast over each group's weights)."""
     scale, minv = qw.float_scales()
-    rep = (lambda t: t.double().repeat_interleave(qw.group, dim=1))
-    w = rep(scale) * (qw.values().double() - qw.zero)
-    return w + rep(minv) if minv is not None else w
+    q = qw.values().view(qw.n, -1, qw.group).double()
+    w = scale.double()[..., None] * (q - qw.zero if qw.zero else q)
+    return (w + minv.double()[..., None] if minv is not None else w).view(qw.n, -1)
 
 
 @torch.no_grad()

@@ -40,6 +40,12 @@ inline bool ready(int product_bit) {
 #endif
 }
 
+// `ready(kBf16)`, asked once per process (the bf16 screens: screened_argmax.cpp, head_amx.cpp).
+inline bool bf16_ready() {
+  static const bool ok = ready(kBf16);
+  return ok;
+}
+
 // The 64-byte operand of ldtilecfg (palette 1): bytes per row and rows of each of the 16 tiles.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0, reserved[14] = {};

@@ -34,8 +34,7 @@ constexpr int64_t PF_PAIRS = 2;   // prefetch the vocab tile pair this far ahead
 
 bool bf16_ready() {
 #ifdef ZOOINFER_AMX_HEAD
-  static const bool ok = zooinfer_amx::ready(zooinfer_amx::kBf16);
-  return ok;
+  return zooinfer_amx::bf16_ready();
 #else
   return false;
 #endif
@@ -108,8 +107,6 @@ void run_pairs(const uint16_t* xb, const uint16_t* wt, int64_t M, int64_t Mp, in
 }
 #endif
 
-bool head_bf16_amx_available() { return bf16_ready(); }
-
 // out [M, N] float32: the screen logits of the first M rows of xb (see the header).
 void head_logits_bf16_amx(const at::Tensor& xb, const at::Tensor& wt, int64_t n, const at::Tensor& out) {
   TORCH_CHECK(bf16_ready(), "head_logits_bf16_amx: this CPU or build has no usable AMX-BF16");
@@ -137,7 +134,6 @@ void head_logits_bf16_amx(const at::Tensor& xb, const at::Tensor& wt, int64_t n,
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(zooinfer_cpu, m) {
-  m.def("head_bf16_amx_available() -> bool", TORCH_FN(head_bf16_amx_available));
   m.def("head_logits_bf16_amx(Tensor xb, Tensor wt, int n, Tensor(a!) out) -> ()");
   m.impl("head_logits_bf16_amx", c10::DispatchKey::CPU, TORCH_FN(head_logits_bf16_amx));
 }

@@ -63,8 +63,7 @@ constexpr int64_t PF_PAIRS = 2;   // prefetch the vocab tile pair this far ahead
 
 bool amx_ready() {
 #ifdef ZOOINFER_AMX
-  static const bool ok = zooinfer_amx::ready(zooinfer_amx::kBf16);
-  return ok;
+  return zooinfer_amx::bf16_ready();
 #else
   return false;
 #endif
