@@ -9,8 +9,9 @@ speed (zooinfer_kernels/cpu/head_amx.cpp). Its logits s only screen:
 - with W the head as the exact kernel reads it (`quant_linear`, fp32 x), W^ its bf16 rounding and
   x^ that of x, the real numbers satisfy s - e = (W^ - W) x^ + W (x^ - x), so
   |s_n - e_n| <= B = |W^ - W|_2 |x^|_2 + |W|_2 |x^ - x|_2 + K 2^-21 |W^|_2 |x^|_2 (the tiles' fp32
-  sums, generously) + K 2^-120 (1 + |W^|_2) (denormal inputs and products flushed) + K 2^-21 |W_mag|_2 (|x|_2 + |x^|_2) (the exact
-  kernel's fp32 rounding, `quant_head`'s term); |.|_2 of a weight is its largest row norm,
+  sums, generously) + K 2^-120 (1 + |W^|_2) (denormal inputs and products flushed)
+  + K 2^-21 |W_mag|_2 (|x|_2 + |x^|_2) (the exact kernel's fp32 rounding, `quant_head`'s term);
+  |.|_2 of a weight is its largest row norm,
   measured once from the actual rounding;
 - so the exact argmax n* has s_n* >= max(s) - 2B; the exact product is computed on the union of
   the columns above that threshold (`quant_head.candidates`), 16 token rows at a time (the decode

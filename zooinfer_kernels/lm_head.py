@@ -261,7 +261,9 @@ class GreedyHead:
     but for a quantized head with `quant_screen` (a `models.quant.QuantLinear`, same conditions,
     rows in `quant_head.QUANT_ROWS`): `quant_argmax` gives the argmax of its exact fp32 decode
     product, which is its logits' argmax with float32 activations (with `activations: int8` the
-    logits are the int8 product, whose argmax may differ where two logits nearly tie).
+    logits are the int8 product, whose argmax may differ where two logits nearly tie); past those
+    rows, with an `amx_screen` (AMX CPUs, `head_amx.AMX_ROWS`), `amx_argmax` gives the same exact
+    product's argmax, taken 16 rows at a time.
     """
 
     __slots__ = ("head", "logits_scaling")
