@@ -15,7 +15,8 @@ EOS ignored. Every engine is fed token ids, never text.
   Prefix caching is off unless `--prefix-caching`: rounds repeat the same prompts, and a cache
   kept from the previous round would time cache hits, not generation. `--quantization`
   overrides the quantization method for ours only (e.g. int8; the peers always run fp32);
-  `ours-q8` runs beside it with the same weights and int8 activations, `ours-fp32` with the fp32
+  `ours-q8` runs beside it with the same weights and int8 activations, `ours-q8bf16` with
+  `activations: int8_bf16` (int8 decode, AMX-BF16 prefill where it runs), `ours-fp32` with the fp32
   weights (`--engines ours,ours-q8,ours-fp32,openvino`); each such variant is also paired by
   round against every peer. The
   `smollm2` / `gemma3` checkpoint directories load as fp32 (the peers' weights); with
@@ -243,9 +244,21 @@ def profile_ours(ours: Ours, prompts, new_tokens: int, seconds: float, top: int 
     return f"cProfile of ours: {runs} run(s), {time.perf_counter() - t0:.1f} s\n" + buf.getvalue()
 
 
-IN_PROCESS = ("ours", "ours-compiled", "ours-q8", "ours-fp32")
-# beside "ours" in the same run: its weights with int8 activations; the fp32 weights (quantization none)
-OURS_VARIANTS = {"ours-q8": (None, "int8"), "ours-fp32": ("none", None)}
+IN_PROCESS = ("ours", "ours-compiled", "ours-q8", "ours-q8bf16", "ours-fp32")
+# beside "ours" in the same run: its weights with int8 activations, with int8 decode + AMX-BF16 prefill
+# (`int8_bf16`); the fp32 weights (quantization none)
+OURS_VARIANTS = {"ours-q8": (None, "int8"), "ours-q8bf16": (None, "int8_bf16"), "ours-fp32": ("none", None)}
+
+
+def act_label(act: str) -> str:
+    """The table's words for a variant's activations, saying whether the bf16 prefill ran here."""
+    if act != "int8_bf16":
+        return f", {act} activations"
+    from zooinfer_kernels import quant_gemm
+    return ", int8 activations, " + ("bf16 prefill on AMX" if quant_gemm.bf16_amx_available()
+                                      else "int8 prefill (no AMX-BF16 here)")
+
+
 HF_PEERS = ("hf", "hf-cb")   # the project venv's python, in a process of their own (bench/peers/run_hf.py)
 
 
@@ -341,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
                                quantization=method or args.quantization, activations=act,
                                kv_cache_dtype=args.kv_cache_dtype)
                     versions[name] = "zooinfer" + (" compiled" if args.compile else " eager") + ours_quant(eng) + (
-                        ", int8 activations" if act else "")
+                        act_label(act) if act else "")
                 elif name in HF_PEERS:
                     options = ({"mode": "cb", "max_tokens_per_request": args.max_prompt + args.new_tokens}
                                if name == "hf-cb" else {"mode": "generate", "batch": args.hf_batch})
@@ -412,14 +425,14 @@ def main(argv: list[str] | None = None) -> int:
     base = rows.get("ours", {}).get("median_out_tok_s")
 
     print()
-    print(f"{'engine':<9}{'out tok/s':>10}{'min-max':>15}{'x ours':>8}{'median s':>9}{'=' + ref_name:>8}"
+    print(f"{'engine':<12}{'out tok/s':>10}{'min-max':>15}{'x ours':>8}{'median s':>9}{'=' + ref_name:>8}"
           f"{'GFLOP/s':>9}{'%peak':>6}  version")
     for name, row in rows.items():
         mm = f"{row['min_out_tok_s']:.0f}-{row['max_out_tok_s']:.0f}"
         ratio = f"{row['median_out_tok_s'] / base:.2f}" if base else "-"
         ag = row.get("agreement")
         eq = f"{ag['equal']}/{ag['total']}" if ag else "-"
-        print(f"{name:<9}{row['median_out_tok_s']:>10.1f}{mm:>15}{ratio:>8}{statistics.median(row['seconds']):>9.2f}"
+        print(f"{name:<12}{row['median_out_tok_s']:>10.1f}{mm:>15}{ratio:>8}{statistics.median(row['seconds']):>9.2f}"
               f"{eq:>8}{row['gflops']:>9.1f}{100 * row['fraction_of_gemm_peak']:>6.1f}  {row['version']}")
     print(f"agreement: outputs identical to {ref_name}'s (round 1), out of {args.requests}")
     if "ours" in times:

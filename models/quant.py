@@ -22,7 +22,7 @@ tied model does not keep a float copy of its embedding beside the quantized head
 `QuantLinear` replaces an `nn.Linear`: its product runs on the C++ kernels (decode rows
 dequantize in registers; prefill chunks dequantize panels into the blocked fp32 GEMM's layout,
 zooinfer_kernels/cpu/quant_gemm_panels.cpp; with `activations="int8"` integer dot products at every row
-count), or, without the kernel library, dequantizes the weight in torch and calls `F.linear`. Under
+count; with "int8_bf16" AMX-BF16 tiles for prefill chunks), or, without the kernel library, dequantizes the weight in torch and calls `F.linear`. Under
 torch.compile it is the opaque custom op `zooinfer::quant_linear`.
 """
 from __future__ import annotations
@@ -215,7 +215,7 @@ def quantize_int4(w: torch.Tensor, group: int = 32, symmetric: bool = True) -> Q
 
 
 def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, k: int,
-            bias: torch.Tensor | None, act_int8: bool = False, qh=None, scale_d=None, min_d=None) -> torch.Tensor:
+            bias: torch.Tensor | None, act: int = 0, qh=None, scale_d=None, min_d=None) -> torch.Tensor:
     rows = x.numel() // k if k else 0
     n = qs.shape[0]
     x2 = x.reshape(rows, k).float()
@@ -225,8 +225,8 @@ def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, 
     b = None if bias is None else bias.float()
     storage = {"qh": qh, "scale_d": scale_d, "min_d": min_d}
     if x2.device.type == "cpu" and cpu_build.available():
-        if act_int8 and quant_gemm.q8_available():
-            out = quant_gemm.quant_linear_int8_act(x2, qs, scale, minv, bits, group, zero, b, **storage)
+        if act and quant_gemm.q8_available():
+            out = quant_gemm.quant_linear_int8_act(x2, qs, scale, minv, bits, group, zero, b, **storage, act=act)
         else:
             out = quant_gemm.quant_linear(x2, qs, scale, minv, bits, group, zero, b, **storage)
     else:   # no kernel library: dequantize in torch (correct, slower)
@@ -238,14 +238,15 @@ def _matmul(x: torch.Tensor, qs, scale, minv, bits: int, group: int, zero: int, 
 @torch.library.custom_op("zooinfer::quant_linear", mutates_args=())
 def quant_linear_op(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
                     bits: int, group: int, zero: int, k: int, bias: torch.Tensor | None,
-                    act_int8: bool = False, qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                    act: int = 0, qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
                     min_d: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, W, bias)` with W given quantized (`QuantWeight` fields)."""
-    return _matmul(x, qs, scale, minv, bits, group, zero, k, bias, act_int8, qh, scale_d, min_d)
+    """`F.linear(x, W, bias)` with W given quantized (`QuantWeight` fields); `act` the activations'
+    code (`quant_gemm.ACT_CODES`)."""
+    return _matmul(x, qs, scale, minv, bits, group, zero, k, bias, act, qh, scale_d, min_d)
 
 
 @quant_linear_op.register_fake
-def _(x, qs, scale, minv, bits, group, zero, k, bias, act_int8=False, qh=None, scale_d=None, min_d=None):
+def _(x, qs, scale, minv, bits, group, zero, k, bias, act=0, qh=None, scale_d=None, min_d=None):
     return x.new_empty((*x.shape[:-1], qs.shape[0]))
 
 
@@ -274,13 +275,17 @@ class QuantLinear(_QuantBuffers):
     32-block and uses integer dot products (zooinfer_kernels/cpu/quant_gemv_q8.cpp for a few rows,
     quant_gemm_q8.cpp past them on AVX-512 VNNI CPUs, quant_q8_avx2.cpp at every row count on
     AVX2 + FMA ones; within the bound stated there, not exact); other CPUs keep the exact fp32
-    product."""
+    product. `activations="int8_bf16"`: the same below `quant_gemm.BF16_MIN_ROWS` rows, and from there
+    on (prefill chunks) x and the weight rounded to bf16 on AMX-BF16 tiles where they run
+    (zooinfer_kernels/cpu/quant_gemm_bf16.cpp), int8 elsewhere."""
 
     def __init__(self, qw: QuantWeight, bias: torch.Tensor | None = None, activations: str = "float32"):
         super().__init__()
         if activations not in ACTIVATIONS:
             raise ValueError(f"quantization.activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
-        self.act_int8 = activations == "int8"
+        self.activations = activations
+        self.act = quant_gemm.ACT_CODES[activations]
+        self.act_int8 = self.act > 0             # int8 x in decode-sized products (both int8 modes)
         self.in_features, self.out_features = qw.k, qw.n
         self._hold(qw)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
@@ -304,7 +309,7 @@ class QuantLinear(_QuantBuffers):
 
     def _args(self, x: torch.Tensor) -> tuple:
         return (x, self.qs, self.scale, self.minv, self.bits, self.group, self.zero, self.in_features, self.bias,
-                self.act_int8, self.qh, self.scale_d, self.min_d)
+                self.act, self.qh, self.scale_d, self.min_d)
 
     def _bind(self):
         """`quant_gemm.bind` on this weight where `_matmul` would call the kernels on a 2-D float32 x
@@ -315,7 +320,7 @@ class QuantLinear(_QuantBuffers):
         ok = (all(t.is_cpu for t in tensors) and self.scale.shape[1] * self.group == self.in_features
               and (self.bias is None or self.bias.dtype == torch.float32) and cpu_build.available())
         self._run = ok and quant_gemm.bind(self.qs, self.scale, self.minv, self.bits, self.group, self.zero,
-                                           self.bias, self.act_int8, qh=self.qh, scale_d=self.scale_d,
+                                           self.bias, self.act, qh=self.qh, scale_d=self.scale_d,
                                            min_d=self.min_d)
         return self._run
 
@@ -330,7 +335,7 @@ class QuantLinear(_QuantBuffers):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"format={self.fmt}, bits={self.bits}, group={self.group}, activations={'int8' if self.act_int8 else 'float32'}")
+                f"format={self.fmt}, bits={self.bits}, group={self.group}, activations={self.activations}")
 
 
 def weight_bytes(model: nn.Module) -> int:

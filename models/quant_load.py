@@ -5,7 +5,7 @@ and FP8 block-scaled checkpoint tensors decoded as they are read.
 only the linears left in float): `gguf` takes the linears' blocks from the checkpoint's GGUF
 (models/quant_gguf.py), `int8` / `int4` / `int4_asym` quantize the loaded float weights
 (models/quant.py). The LM head follows `quantization.lm_head` (int8 under the 4-bit methods);
-`quantization.activations` (float32 / int8) says what x the decode products use. A quantized
+`quantization.activations` (float32 / int8 / int8_bf16) says what x the products use. A quantized
 head also gets the norms of its greedy screen (`attach_head_screen`, zooinfer_kernels/quant_head.py).
 
 FP8 (e4m3) checkpoints as DeepSeek-V3 and Qwen3-Next ship them: each `*.weight` is float8 with a

@@ -147,7 +147,9 @@ class CheckpointSpec:
 
 
 QUANT_METHODS = ("none", "gguf", "int8", "int4", "int4_asym")
-QUANT_ACTIVATIONS = ("float32", "int8")   # x of the decode products on quantized weights (models/quant.py)
+# x of the products on quantized weights (models/quant.py): fp32 (exact), int8 per 32-block, or int8 for
+# decode-sized products and bf16 on AMX tiles for prefill-sized ones (zooinfer_kernels/quant_gemm.py)
+QUANT_ACTIVATIONS = ("float32", "int8", "int8_bf16")
 
 
 @dataclass(slots=True)
@@ -158,7 +160,7 @@ class QuantizationSpec:
     method: str = "none"
     group_size: int = 32       # int4 / int4_asym
     lm_head: bool = True       # False: the head stays float (packed panels, fused greedy head)
-    activations: str = "float32"   # int8: decode products on x rounded to int8 per 32 (models/quant.py)
+    activations: str = "float32"   # int8: x rounded to int8 per 32; int8_bf16: bf16 prefill on AMX (models/quant.py)
 
 
 # Where each of our parameters lives in an HF checkpoint. Per-layer names are relative to

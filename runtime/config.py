@@ -26,7 +26,7 @@ class EngineConfig:
     prepack_weights: bool = True            # CPU float32 linears run on pre-packed weights (models/prepack.py)
     adaptive_threads: bool = True           # CPU: fewer intra-op threads while other processes hold the cores (runtime/thread_guard.py)
     quantization: str | None = None         # override of the spec's quantization.method (models/quant_load.py)
-    quantization_activations: str | None = None   # override of the spec's quantization.activations (float32 / int8)
+    quantization_activations: str | None = None   # override of the spec's quantization.activations (float32 / int8 / int8_bf16)
     scheduling_policy: str = "fcfs"         # or "priority": requests' `priority`, lower first (runtime/scheduler.py)
     # Speculative decoding: {"method": "ngram", "num_speculative_tokens": k, ...} (runtime/spec_decode);
     # None: the spec's `speculative:` section, if any. {"method": None} turns that off.

@@ -79,8 +79,9 @@ class Engine:
         self.max_model_len = spec.max_model_len
         if config.quantization_activations is not None:   # x of the quantized products (models/quant.py)
             spec.quantization.activations = config.quantization_activations
-            if config.quantization_activations == "int8" and (config.quantization or spec.quantization.method) == "none":
-                raise ValueError(f"quantization_activations='int8' rounds the inputs of quantized linears, but {spec.name} "
+            if config.quantization_activations != "float32" and (config.quantization or spec.quantization.method) == "none":
+                raise ValueError(f"quantization_activations={config.quantization_activations!r} rounds the inputs of "
+                                 f"quantized linears, but {spec.name} "
                                  f"runs unquantized weights (quantization 'none'): choose a quantization too")
         self.spec_decoder = self._speculative(config.speculative, spec)   # validated before any weights load
         dtype_name = config.dtype or spec.dtype

@@ -217,7 +217,7 @@ def test_isa_argument_errors_are_one_line():
 def test_activations_errors_name_the_field():
     from models.spec import SpecError, load_spec
     _, qw, _ = WEIGHTS[1]
-    with pytest.raises(ValueError, match=r"quantization\.activations must be one of float32, int8, got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization\.activations must be one of float32, int8, int8_bf16, got 'int4'"):
         QuantLinear(qw, None, activations="int4")
     import pathlib
     import tempfile
@@ -225,7 +225,7 @@ def test_activations_errors_name_the_field():
         bad = pathlib.Path(tmp) / "bad.yaml"
         bad.write_text(f"extends: {pathlib.Path('zoo/smollm2-tiny.yaml').resolve()}\n"
                        "quantization: {method: int8, activations: fp8}\n")
-        with pytest.raises(SpecError, match=r"quantization\.activations: must be one of float32, int8, got 'fp8'"):
+        with pytest.raises(SpecError, match=r"quantization\.activations: must be one of float32, int8, int8_bf16, got 'fp8'"):
             load_spec(bad)
 
 

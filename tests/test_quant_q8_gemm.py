@@ -201,7 +201,7 @@ def test_engine_overrides_the_specs_activations(tmp_path):
 
     from runtime import LLM, SamplingParams
     from runtime.config import EngineConfig
-    with pytest.raises(ValueError, match="quantization_activations must be one of float32, int8, got 'fp8'"):
+    with pytest.raises(ValueError, match="quantization_activations must be one of float32, int8, int8_bf16, got 'fp8'"):
         EngineConfig(quantization_activations="fp8").validate()
     spec = tmp_path / "tiny-q8.yaml"
     spec.write_text(f"extends: {pathlib.Path('zoo/smollm2-tiny.yaml').resolve()}\n"

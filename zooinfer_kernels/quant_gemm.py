@@ -24,6 +24,11 @@ for 4-bit weights; the path of CPUs without VNNI, and forced by tests on VNNI CP
 also takes 3, AMX-INT8 tiles (zooinfer_kernels/cpu/quant_gemm_amx.cpp: the VNNI kernel's bits;
 opt-in, never picked by -1: measured slower than VNNI so far, see its header). On every path an
 op's rows do not depend on the row count.
+
+`quant_linear_bf16_amx` (zooinfer_kernels/cpu/quant_gemm_bf16.cpp) multiplies prefill-sized x on AMX-BF16
+tiles: x and the dequantized weight rounded to bf16, summed in fp32 (not exact, within the bound its
+header states). `activations: int8_bf16` (`ACT_CODES`) runs it from `BF16_MIN_ROWS` rows where AMX-BF16
+runs and int8 activations below (OpenVINO's CPU scheme: bf16 prefill, int8 dynamic decode).
 """
 from __future__ import annotations
 
@@ -38,6 +43,14 @@ Q8_MAX_ROWS = 16    # quant_linear_q8 serves decode steps up to this many rows (
 Q8_GEMM_MIN_ROWS = {2: 5, 1: 8}
 
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
+
+# `quantization.activations` (models/spec.py QUANT_ACTIVATIONS) as the products' code: x in fp32 (exact),
+# int8 per 32-block at every row count, or int8 below BF16_MIN_ROWS and bf16 on AMX from there on.
+ACT_CODES = {"float32": 0, "int8": 1, "int8_bf16": 2}
+# From this many rows the AMX-BF16 product is faster than the int8 GEMM (it dequantizes the whole
+# weight once per call): Gemma-3's Q4_K / Q5_0 / Q6_K linears, Emerald Rapids, 2 threads, bf16 / int8
+# ms at 64 / 128 / 256 / 1024 rows: all 72 linears 23.6 / 16.9, 30.1 / 29.7, 41.7 / 54.4, 115 / 213.
+BF16_MIN_ROWS = 128
 
 
 def best_isa() -> int:
@@ -108,15 +121,6 @@ def quant_linear_q8_gemm(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor,
     return torch.ops.zooinfer_cpu.quant_linear_q8_gemm(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, isa)
 
 
-def quant_linear_int8_act(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
-                          bits: int, group: int, zero: int, bias: torch.Tensor | None, *,
-                          qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
-                          min_d: torch.Tensor | None = None) -> torch.Tensor:
-    """The int8-activation product on the faster kernel for x's row count (`q8_op`; `q8_available`
-    must hold)."""
-    return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
-
-
 @functools.cache
 def q8_gemm_min_rows() -> int:
     """Rows from which this CPU's int8 path runs the GEMM-ordered kernel (`Q8_GEMM_MIN_ROWS`)."""
@@ -130,17 +134,52 @@ def q8_op(rows: int):
     return ops.quant_linear_q8.default if rows < q8_gemm_min_rows() else ops.quant_linear_q8_gemm.default
 
 
+@functools.cache
+def bf16_amx_available() -> bool:
+    """Whether `quant_linear_bf16_amx` runs here (AMX-BF16 tiles granted by the OS, AVX512-BF16, the
+    native build)."""
+    return bool(torch.ops.zooinfer_cpu.quant_bf16_amx_available())
+
+
+def quant_linear_bf16_amx(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
+                          bits: int, group: int, zero: int, bias: torch.Tensor | None, *,
+                          qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                          min_d: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] times the quantized W on AMX-BF16 tiles: x and W rounded to bf16, fp32 sums, + bias."""
+    return torch.ops.zooinfer_cpu.quant_linear_bf16_amx(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d)
+
+
+def quant_linear_int8_act(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None,
+                          bits: int, group: int, zero: int, bias: torch.Tensor | None, *,
+                          qh: torch.Tensor | None = None, scale_d: torch.Tensor | None = None,
+                          min_d: torch.Tensor | None = None, act: int = 1) -> torch.Tensor:
+    """The int8-activation product on the faster kernel for x's row count (`q8_op`; `q8_available`
+    must hold); with `act` 2 (`ACT_CODES`) from `BF16_MIN_ROWS` rows the AMX-BF16 one where it runs."""
+    if act == 2 and x.shape[0] >= BF16_MIN_ROWS and bf16_amx_available():
+        return quant_linear_bf16_amx(x, qs, scale, minv, bits, group, zero, bias, qh=qh, scale_d=scale_d, min_d=min_d)
+    return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
+
+
 def bind(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, zero: int,
-         bias: torch.Tensor | None, act_int8: bool, *, qh: torch.Tensor | None = None,
+         bias: torch.Tensor | None, act: int, *, qh: torch.Tensor | None = None,
          scale_d: torch.Tensor | None = None, min_d: torch.Tensor | None = None):
-    """The product on one weight with every argument but x bound: `run(x)` for float32 x [M, K]
-    (K the weight's, a multiple of 32 and of the group) runs the op `quant_linear_int8_act` or
-    `quant_linear` would, with the same arguments, so the same values. Why: a `QuantLinear` that
-    gathers its buffers and picks an op on every call spends ~8 us of Python a call (Zen 5, 2
-    threads), about 1 ms of a SmolLM2 decode step of ~10 (120 calls); bound once it is one op call."""
-    if act_int8 and q8_available():
-        def run(x: torch.Tensor) -> torch.Tensor:
-            return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
+    """The product on one weight with every argument but x bound: `run(x)` for float32 x [M, K] (K the
+    weight's, a multiple of 32 and of the group) runs the op `quant_linear_int8_act` (`act` 1 or 2,
+    `ACT_CODES`) or `quant_linear` (`act` 0) would, with the same arguments, so the same values. Why: a
+    `QuantLinear` that gathers its buffers and picks an op on every call spends ~8 us of Python a call
+    (Zen 5, 2 threads), about 1 ms of a SmolLM2 decode step of ~10 (120 calls); bound once it is one
+    op call."""
+    if act and q8_available():
+        if act == 2 and bf16_amx_available():
+            bf16 = torch.ops.zooinfer_cpu.quant_linear_bf16_amx.default
+
+            def run(x: torch.Tensor) -> torch.Tensor:
+                if x.shape[0] >= BF16_MIN_ROWS:
+                    return bf16(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d)
+                return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
+        else:
+            def run(x: torch.Tensor) -> torch.Tensor:
+                return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
     else:
         exact = torch.ops.zooinfer_cpu.quant_linear.default
 

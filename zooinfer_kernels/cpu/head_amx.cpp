@@ -23,13 +23,13 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
 #include <immintrin.h>
+#include "amx_bf16.h"
 #include "amx_perm.h"
 #define ZOOINFER_AMX_HEAD 1
 #endif
 
 namespace {
 
-constexpr int64_t TILE = 512;     // bf16 elements of one tile (16 rows x 32)
 constexpr int64_t PF_PAIRS = 2;   // prefetch the vocab tile pair this far ahead (the head streams from DRAM)
 
 bool bf16_ready() {
@@ -41,41 +41,9 @@ bool bf16_ready() {
 }
 
 #ifdef ZOOINFER_AMX_HEAD
-// C tiles 0/1: x rows a0 x vocab tiles b0/b1; with TWO, C tiles 2/3: x rows a1.
-template <bool TWO>
-inline void pair_tiles(const uint16_t* a0, const uint16_t* a1, int64_t lda, const uint16_t* b0, const uint16_t* b1,
-                       int64_t KS, float (*cbuf)[256]) {
-  _tile_zero(0);
-  _tile_zero(1);
-  if (TWO) {
-    _tile_zero(2);
-    _tile_zero(3);
-  }
-  for (int64_t s = 0; s < KS; ++s) {
-    _tile_loadd(4, a0 + s * 32, lda);
-    _tile_loadd(6, b0 + s * TILE, 64);
-    _tile_loadd(7, b1 + s * TILE, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
-    if (TWO) {
-      _tile_loadd(5, a1 + s * 32, lda);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
-    }
-  }
-  _tile_stored(0, cbuf[0], 64);
-  _tile_stored(1, cbuf[1], 64);
-  if (TWO) {
-    _tile_stored(2, cbuf[2], 64);
-    _tile_stored(3, cbuf[3], 64);
-  }
-}
-
-// Rows [m0, m0 + rows) x columns [n0, n0 + cols) of out from one C tile.
-inline void store_tile(const float* c, int64_t m0, int64_t rows, int64_t n0, int64_t cols, float* out, int64_t ldo) {
-  const __mmask16 mask = static_cast<__mmask16>((1u << cols) - 1u);
-  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(out + (m0 + r) * ldo + n0, mask, _mm512_load_ps(c + r * 16));
-}
+using zooinfer_amx::pair_tiles;
+using zooinfer_amx::store_tile;
+using zooinfer_amx::TILE;
 
 void run_pairs(const uint16_t* xb, const uint16_t* wt, int64_t M, int64_t Mp, int64_t Kp, int64_t N, int64_t pb,
                int64_t pe, float* out) {
