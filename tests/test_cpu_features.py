@@ -42,6 +42,8 @@ def test_paths_are_the_ones_the_kernels_take(monkeypatch):
     flags = set(cpu_features.cpu_flags())
     assert paths["int8_activations"] == ("avx512_vnni" if {"avx512_vnni", "avx512bw"} <= flags else
                                          "avx2" if {"avx2", "fma"} <= flags else "none")
+    assert paths["bf16_prefill"] == ("amx" if {"amx_bf16", "avx512_bf16"} <= flags else
+                                     "none" if paths["int8_activations"] == "none" else "int8")
     if "avx512_bf16" in cpu_features.cpu_flags() and "amx_bf16" not in cpu_features.cpu_flags():
         assert paths["greedy_screen"] == "avx512_bf16"    # the Zen 4 / Cooper Lake path
     for isa in lm_head.usable_screen_isas():
@@ -54,6 +56,7 @@ def test_paths_are_the_ones_the_kernels_take(monkeypatch):
     paths = cpu_features.kernel_paths()
     assert (paths["library"], paths["greedy_screen"], paths["attention"]) == ("off", "none", "torch")
     assert paths["int8_activations"] == "none"        # no library: the exact fp32 product in torch
+    assert paths["bf16_prefill"] == "none"
     assert "panel" not in paths["linear"]
 
 
@@ -61,7 +64,7 @@ def test_summary_carries_model_flags_and_paths():
     s = cpu_features.summary()
     assert s["cpu_model"] == cpu_features.cpu_model() and s["cpu_flags"] == cpu_features.cpu_flags()
     assert set(s["kernel_paths"]) == {"library", "greedy_screen", "linear", "prefill_gemm", "int8_activations",
-                                      "attention"}
+                                      "bf16_prefill", "attention"}
 
 
 def test_engine_logs_the_report_once(tiny_hf, monkeypatch, caplog):

@@ -70,7 +70,9 @@ def kernel_paths() -> dict[str, str]:
     MKL's packed GEMM, "panel+mkl", "panel", "mkl", else "torch"), "prefill_gemm" (products past
     64 rows: "blocked" or "mkl", with how it was chosen and the probe's GFLOP/s),
     "int8_activations" (the products of `activations: int8`, zooinfer_kernels/quant_gemm.py: "avx512_vnni",
-    "avx2" or "none": the exact fp32 product instead) and "attention" ("cpp" or "torch")."""
+    "avx2" or "none": the exact fp32 product instead), "bf16_prefill" (the products of `activations:
+    int8_bf16` from `quant_gemm.BF16_MIN_ROWS` rows: "amx", else "int8" or "none" as above) and "attention" ("cpp" or
+    "torch")."""
     import torch
 
     from zooinfer_kernels import gemm_choice, lm_head, quant_gemm
@@ -88,8 +90,9 @@ def kernel_paths() -> dict[str, str]:
     except ValueError as e:       # an invalid ZOOINFER_PREFILL_GEMM: say so here, the engine raises it
         prefill = f"invalid ({e})"
     int8_act = quant_gemm.Q8_ISA_NAMES.get(quant_gemm.q8_best_isa(), "none") if built else "none"
+    bf16_prefill = "amx" if built and quant_gemm.bf16_amx_available() else "int8" if int8_act != "none" else "none"
     return {"library": library, "greedy_screen": screen, "linear": linear, "prefill_gemm": prefill,
-            "int8_activations": int8_act, "attention": "cpp" if built else "torch"}
+            "int8_activations": int8_act, "bf16_prefill": bf16_prefill, "attention": "cpp" if built else "torch"}
 
 
 def summary() -> dict[str, object]:
