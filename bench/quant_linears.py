@@ -14,7 +14,9 @@ of the model's shapes, each weight its own copy (as in the model: a pass streams
   below `q8_gemm_min_rows()` rows, the GEMM-ordered one from there on);
 - q8-decode / q8-gemm: either int8-activation kernel alone (decode: at most 16 rows), to place
   the crossover (`quant_gemm.Q8_GEMM_MIN_ROWS`, per int8 path); q8-gemm-amx the GEMM op on AMX-INT8
-  tiles (`isa` 3, opt-in: the same bits as the VNNI kernel).
+  tiles (`isa` 3, opt-in: the same bits as the VNNI kernel);
+- bf16-amx: the AMX-BF16 product alone (`quant_linear_bf16_amx`: x and W rounded to bf16), at any row
+  count, to place `quant_gemm.BF16_MIN_ROWS`; int8-bf16: what `activations="int8_bf16"` runs.
 The paths alternate within every round (order reversed each round) so drift on a shared machine
 hits all; the table gives the median ms per pass and each path's speedup over fp32 (fp32 time / its
 time, median over rounds, paired by round).
@@ -33,7 +35,7 @@ import torch
 from bench.prefill_gemm import layer_shapes
 from zooinfer_kernels import cpu_build, cpu_features, gemm, gemm_choice, quant_gemm
 
-PATHS = ("fp32", "exact", "int8act", "q8-decode", "q8-gemm", "q8-gemm-amx")
+PATHS = ("fp32", "exact", "int8act", "q8-decode", "q8-gemm", "q8-gemm-amx", "bf16-amx", "int8-bf16")
 
 
 def make_weights(cfg: dict, fmt: str, gen: torch.Generator) -> list[tuple]:
@@ -55,7 +57,9 @@ def path_fn(path: str, linears: list[tuple], xs: dict[int, torch.Tensor]):
     blocked = gemm_choice.large_rows_use_blocked()
     q8 = {"int8act": quant_gemm.quant_linear_int8_act, "q8-decode": quant_gemm.quant_linear_q8,
           "q8-gemm": quant_gemm.quant_linear_q8_gemm,
-          "q8-gemm-amx": functools.partial(quant_gemm.quant_linear_q8_gemm, isa=3)}
+          "q8-gemm-amx": functools.partial(quant_gemm.quant_linear_q8_gemm, isa=3),
+          "bf16-amx": quant_gemm.quant_linear_bf16_amx,
+          "int8-bf16": functools.partial(quant_gemm.quant_linear_int8_act, act=2)}
 
     def run():
         for w, panels, qw in linears:
@@ -92,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("error: the C++ CPU kernels are unavailable; nothing to compare")
     if not quant_gemm.q8_available() and any(p.startswith(("int8", "q8")) for p in paths):
         raise SystemExit("error: this CPU lacks AVX2 + FMA; the int8-activation paths cannot run")
+    if "bf16-amx" in paths and not quant_gemm.bf16_amx_available():
+        raise SystemExit("error: this CPU, OS or build lacks AMX-BF16 tiles; the bf16-amx path cannot run")
     if "q8-gemm-amx" in paths and not quant_gemm.q8_amx_available():
         raise SystemExit("error: this CPU or OS lacks AMX-INT8 tiles; the q8-gemm-amx path cannot run")
     from bench.throughput import hf_dir_for, resolve_model

@@ -48,9 +48,11 @@ ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx512"}
 # int8 per 32-block at every row count, or int8 below BF16_MIN_ROWS and bf16 on AMX from there on.
 ACT_CODES = {"float32": 0, "int8": 1, "int8_bf16": 2}
 # From this many rows the AMX-BF16 product is faster than the int8 GEMM (it dequantizes the whole
-# weight once per call): Gemma-3's Q4_K / Q5_0 / Q6_K linears, Emerald Rapids, 2 threads, bf16 / int8
-# ms at 64 / 128 / 256 / 1024 rows: all 72 linears 23.6 / 16.9, 30.1 / 29.7, 41.7 / 54.4, 115 / 213.
-BF16_MIN_ROWS = 128
+# weight once per call, ~0.45 cycles a weight): Emerald Rapids, 2 threads, bf16 / int8 GEMM ms, Gemma-3's
+# 72 Q4_K / Q5_0 / Q6_K linears at 33 / 48 / 64 / 1024 rows 11.8 / 10.8, 12.1 / 13.5, 13.2 / 16.6,
+# 105 / 210; SmolLM2's 120 int4_asym ones (`python -m bench.quant_linears --paths q8-gemm,bf16-amx`)
+# at 32 / 48 / 64 / 512 rows 13.3 / 10.9, 15.2 / 13.9, 16.6 / 17.4, 62.7 / 113.
+BF16_MIN_ROWS = 64
 
 
 def best_isa() -> int:

@@ -11,9 +11,13 @@
 // (bf16 inference on AMX for prefill, int8 dynamic activations for decode).
 //
 // Order: threads split the columns (pairs of 16-column B tiles); each dequantizes a chunk of its
-// pairs over all of k (`CHUNK_BYTES` of bf16 tiles, kept in L2) through `dequant_panel`'s fp32
-// panels, then runs every 32-row block of x^ against every pair of the chunk. Each weight is so
-// dequantized once per call, by one thread.
+// pairs over all of k (`CHUNK_BYTES` of bf16 tiles, kept in L2), then runs every 32-row block of x^
+// against every pair of the chunk. Each weight is so dequantized once per call, by one thread:
+// 16 weight rows x 32 k at a time, each row's 32 weights one FMA pair and one bf16 conversion in
+// row order (`row_pairs`), then a 16 x 16 dword transpose makes the B tile's pair order. ~0.45
+// cycles a weight on Emerald Rapids; the integer division of a group index per row had doubled it,
+// and broadcasting the scales from registers (the shuffle port, shared with the transpose) cost
+// another ~10%. That cost sets `quant_gemm.BF16_MIN_ROWS`.
 //
 // Exactness: each output equals `head_logits_bf16_amx(x^, pack_pair_tiles(W^))` (head_amx.cpp's
 // tile, the same sums in the same order) + bias in one fp32 add: tests/test_quant_bf16.py checks it
@@ -24,6 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "quant_storage.h"
@@ -32,7 +37,6 @@
 #include <immintrin.h>
 #include "amx_bf16.h"
 #include "amx_perm.h"
-#include "quant_panels.h"
 #define ZOOINFER_AMX_QUANT_BF16 1
 #endif
 
@@ -41,45 +45,100 @@ namespace {
 
 #ifdef ZOOINFER_AMX_QUANT_BF16
 using zooinfer_amx::TILE;
-constexpr int64_t KC = 256;                    // k steps per fp32 panel (dequant_panel's block)
 constexpr int64_t CHUNK_BYTES = 256 << 10;     // a thread's dequantized B tiles at a time (L2)
 
-// The fp32 panel p [kc, 32] (k-major) as the B tiles of its two 16-column halves, k steps s of
-// 32: row r holds for each column j the bf16 pair (k = 32 s + 2 r, k + 1), rounded to nearest even.
-inline void to_pair_tiles(const float* p, int64_t kc, uint16_t* b0, uint16_t* b1) {
-  for (int64_t s = 0; s < kc / 32; ++s)
-    for (int64_t r = 0; r < 16; ++r) {
-      const float* e = p + (32 * s + 2 * r) * 32;
-      for (int h = 0; h < 2; ++h) {
-        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(e + 16 * h)));
-        const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(e + 32 + 16 * h)));
-        _mm512_storeu_si512((h ? b1 : b0) + s * TILE + r * 32, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
-    }
+// 32 weights k0..k0 + 31 of row r of an expanded tile (bits 4 or 8) as 16 bf16 pairs: each weight
+// `scale * q + offset` in fp32 (quant_gemm_panels.cpp's operations, so the floats of
+// `quant_dequantize`), rounded to nearest even; dword d = (w[k0 + 2d], w[k0 + 2d + 1]). s0 / o0
+// and s1 / o1: the scale and offset of the two 16-weight halves' groups (the same group but for
+// 8-bit groups of 16), read from memory so their broadcasts take no shuffle port.
+inline __m512i row_pairs(const QW& t, int64_t r, int64_t k0, const float* s0, const float* o0, const float* s1,
+                         const float* o1) {
+  __m512i lo, hi;
+  if (t.bits == 4) {   // byte i of a block: weight i low nibble, weight i + 16 high nibble
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t.qs + r * (t.k / 2) + k0 / 2)));
+    lo = _mm512_and_si512(b, _mm512_set1_epi32(15));
+    hi = _mm512_srli_epi32(b, 4);
+  } else {
+    const auto* q = reinterpret_cast<const __m128i*>(t.qs + r * t.k + k0);
+    lo = _mm512_cvtepi8_epi32(_mm_loadu_si128(q));
+    hi = _mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1));
+  }
+  const __m512 f0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), _mm512_set1_ps(*s0), _mm512_set1_ps(*o0));
+  const __m512 f1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), _mm512_set1_ps(*s1), _mm512_set1_ps(*o1));
+  return (__m512i)_mm512_cvtne2ps_pbh(f1, f0);
+}
+
+// v[i] dword j -> v[j] dword i (16 x 16).
+inline void transpose16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // now v[4a + b] holds, in 128-bit lane L, dwords b of rows 4L'.. : regroup the 128-bit lanes
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    v[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    v[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Rows [r0, r0 + rows) (rows <= 16, the rest zero) of the expanded tile `t` as one B tile per k
+// step s of 32: tile row d holds, for column j, the pair of weight row j at k 32 s + 2 d. The rows'
+// offsets (QW::offset's operations) are computed once into `off` first.
+// `off`: room for 16 rows' offsets (16 * K / group floats).
+inline void rows_to_tiles(const QW& t, int64_t r0, int64_t rows, uint16_t* b, float* off) {
+  const int64_t ng = t.k / t.group;
+  const float* sc = t.scale + r0 * ng;
+  for (int64_t i = 0; i < rows * ng; ++i) off[i] = (t.minv ? t.minv[r0 * ng + i] : 0.f) - static_cast<float>(t.tile_zero()) * sc[i];
+  for (int64_t k0 = 0; k0 < t.k; k0 += 32) {
+    const int64_t g0 = k0 / t.group, g1 = (k0 + 16) / t.group;   // 8-bit groups of 16: two per block
+    __m512i v[16];
+    for (int64_t j = 0; j < 16; ++j)
+      v[j] = j < rows ? row_pairs(t, r0 + j, k0, sc + j * ng + g0, off + j * ng + g0, sc + j * ng + g1, off + j * ng + g1)
+                      : _mm512_setzero_si512();
+    transpose16(v);
+    uint16_t* dst = b + (k0 / 32) * TILE;
+    for (int d = 0; d < 16; ++d) _mm512_store_si512(dst + d * 32, v[d]);
+  }
 }
 
 // Columns [32 p0, 32 p1) of out (clipped to N) for all M rows of xb [Mp, K].
 void run_cols(const QW& w, const uint16_t* xb, int64_t M, int64_t Mp, const float* bias, float* out, int64_t p0,
               int64_t p1) {
   const int64_t N = w.n, K = w.k, KS = K / 32, pair_elems = 2 * KS * TILE;
-  const int64_t chunk = std::max<int64_t>(1, CHUNK_BYTES / (2 * pair_elems));
-  const Cols c = expand_cols(w, p0 * 32, std::min(N, p1 * 32));
-  const std::vector<uint8_t> zeros(static_cast<size_t>(std::max<int64_t>(w.row_bytes(), 64)), 0);
-  std::vector<float> pbuf(static_cast<size_t>(KC * 32) + 16);
+  const int64_t chunk = std::max<int64_t>(2, CHUNK_BYTES / (2 * pair_elems)) / 2 * 2;   // whole 64-row tiles
   std::vector<uint16_t> bbuf(static_cast<size_t>(std::min(chunk, p1 - p0) * pair_elems) + 32);
-  float* pf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(pbuf.data()) + 63) & ~uintptr_t(63));
+  std::vector<float> off(static_cast<size_t>(16 * (K / w.group)));
   uint16_t* bt = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(bbuf.data()) + 63) & ~uintptr_t(63));
   alignas(64) float cbuf[4][256];
   zooinfer_amx::load_full_tiles();
   for (int64_t q0 = p0; q0 < p1; q0 += chunk) {
     const int64_t q1 = std::min(p1, q0 + chunk);
-    for (int64_t p = q0; p < q1; ++p)
-      for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = std::min(KC, K - k0);
-        dequant_panel(c, p - p0, k0, kc, zeros.data(), pf);
-        uint16_t* b0 = bt + (p - q0) * pair_elems + (k0 / 32) * TILE;
-        to_pair_tiles(pf, kc, b0, b0 + KS * TILE);
+    // the chunk's weight rows, 64 at a time as `for_row_tiles` expands them, 16 per B tile
+    for_row_tiles(w, 2, 32 * q0, std::min(N, 32 * q1), [&](const QW& t, int64_t r0, int64_t r1) {
+      for (int64_t j = 0; j < r1 - r0; j += 16) {
+        const int64_t vt = (r0 + j) / 16 - 2 * q0;          // vocab tile in the chunk: pair vt / 2, half vt % 2
+        rows_to_tiles(t, j, std::min<int64_t>(16, r1 - r0 - j), bt + (vt / 2) * pair_elems + (vt % 2) * KS * TILE,
+                      off.data());
       }
+    });
+    for (int64_t p = q0; p < q1; ++p)   // a pair past N's last tile: zero tiles (its outputs are not stored)
+      if (32 * p + 16 >= N) std::memset(bt + (p - q0) * pair_elems + KS * TILE, 0, KS * TILE * sizeof(uint16_t));
     for (int64_t m = 0; m < Mp; m += 32) {
       const uint16_t* a0 = xb + m * K;
       const bool two = m + 16 < Mp;

@@ -43,7 +43,14 @@ constexpr int64_t KC = 256;
 constexpr int64_t RB = 16;
 constexpr int BMR = zooinfer_panels::blocked::MR;   // rows per register tile (zi_quant::MR is the decode one)
 
-}  // namespace
+// A thread's columns [n0, n1) as its panels are dequantized from: q as 4 or 8 bits (5 / 6-bit
+// storage expanded to int8 q - zero), scale and offset in fp32 transposed to [group][column].
+struct Cols {
+  QW w;                          // rows n0..n1 (row 0 = n0), bits 4 or 8; its scale fields unused
+  std::unique_ptr<int8_t[]> q;   // the expanded 5 / 6-bit values (w.qs points here), else empty
+  std::vector<float> st, ot;     // [ng, ld] scale and offset (zero past the last column)
+  int64_t ld = 0;                // columns, padded to whole panels
+};
 
 Cols expand_cols(const QW& w, int64_t n0, int64_t n1) {
   Cols c;
@@ -67,6 +74,7 @@ Cols expand_cols(const QW& w, int64_t n0, int64_t n1) {
   return c;
 }
 
+// Panel `pl` of the thread's columns, k steps [k0, k0 + kc) (multiples of 32), as fp32 [kc, 32].
 ZI_AVX512 void dequant_panel(const Cols& c, int64_t pl, int64_t k0, int64_t kc, const uint8_t* zeros, float* dst) {
   const QW& w = c.w;
   const __m512i low4 = _mm512_set1_epi32(15);
@@ -110,6 +118,8 @@ ZI_AVX512 void dequant_panel(const Cols& c, int64_t pl, int64_t k0, int64_t kc, 
     }
   }
 }
+
+}  // namespace
 
 void quant_panel_gemm(const QW& w, const float* x, int64_t ldx, int64_t M, float* out, const float* bias) {
   const int64_t N = w.n, K = w.k, np = (N + NR - 1) / NR, tiles = (M + BMR - 1) / BMR;

@@ -5,9 +5,6 @@
 
 #include "quant_layout.h"
 
-#include <memory>
-#include <vector>
-
 namespace zi_quant {
 
 // 16 rows' 16 bytes (row c at ptr[c] + off) as 4 vectors: vector d, 32-bit lane c = bytes
@@ -32,22 +29,6 @@ ZI_AVX512 ZI_INLINE void transpose16(const uint8_t* const* ptr, int64_t off, __m
   v[2] = _mm512_shuffle_i32x4(t1, t3, _MM_SHUFFLE(2, 0, 2, 0));
   v[3] = _mm512_shuffle_i32x4(t1, t3, _MM_SHUFFLE(3, 1, 3, 1));
 }
-
-// A thread's columns [n0, n1) as its panels are dequantized from: q as 4 or 8 bits (5 / 6-bit
-// storage expanded to int8 q - zero), scale and offset in fp32 transposed to [group][column].
-struct Cols {
-  QW w;                          // rows n0..n1 (row 0 = n0), bits 4 or 8; its scale fields unused
-  std::unique_ptr<int8_t[]> q;   // the expanded 5 / 6-bit values (w.qs points here), else empty
-  std::vector<float> st, ot;     // [ng, ld] scale and offset (zero past the last column)
-  int64_t ld = 0;                // columns, padded to whole panels
-};
-
-Cols expand_cols(const QW& w, int64_t n0, int64_t n1);
-
-// Panel `pl` of `c`'s columns (32 columns from n0 + 32 pl; columns past w.n read `zeros`, a zero
-// row of at least w.row_bytes() bytes, and come out 0), k steps [k0, k0 + kc) (multiples of 32),
-// as fp32 [kc, 32]: each weight `scale * q + offset`, the floats `quant_dequantize` gives.
-ZI_AVX512 void dequant_panel(const Cols& c, int64_t pl, int64_t k0, int64_t kc, const uint8_t* zeros, float* dst);
 
 // out[M, w.n] = x[M, w.k] (row stride ldx) @ W^T (+ bias, float32 [w.n] or null), W dequantized a
 // panel at a time into the blocked fp32 GEMM's layout and multiplied by its register kernel
