@@ -28,7 +28,7 @@ op's rows do not depend on the row count.
 `quant_linear_bf16_amx` (zooinfer_kernels/cpu/quant_gemm_bf16.cpp) multiplies prefill-sized x on AMX-BF16
 tiles: x and the dequantized weight rounded to bf16, summed in fp32 (not exact, within the bound its
 header states). `activations: int8_bf16` (`ACT_CODES`) runs it from `BF16_MIN_ROWS` rows where AMX-BF16
-runs and int8 activations below (OpenVINO's CPU scheme: bf16 prefill, int8 dynamic decode).
+runs and int8 activations below (of the kind of OpenVINO's CPU defaults on AMX).
 """
 from __future__ import annotations
 

@@ -7,8 +7,8 @@
 // a thread (each 32-block of k carries its own scales, so its integer sums are scaled every 32 k;
 // AMX-INT8 tiles could not hide that, quant_gemm_amx.cpp). bf16 needs no per-block scaling: the
 // weight is dequantized once per call into B tiles and a C tile sums all of k in the tiles, ~1-2
-// TFLOP/s on 2 threads for Gemma-3's shapes (Emerald Rapids). This is OpenVINO's CPU scheme too
-// (bf16 inference on AMX for prefill, int8 dynamic activations for decode).
+// TFLOP/s on 2 threads for Gemma-3's shapes (Emerald Rapids). OpenVINO's CPU defaults are of the
+// same kind (bf16 inference precision on AMX, dynamic int8 activations for compressed weights).
 //
 // Order: threads split the columns (pairs of 16-column B tiles); each dequantizes a chunk of its
 // pairs over all of k (`CHUNK_BYTES` of bf16 tiles, kept in L2), then runs every 32-row block of x^
