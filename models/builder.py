@@ -12,6 +12,7 @@ from zooinfer_kernels.lm_head import GreedyHead
 from models.kinds import KINDS, linear_sources
 from models.hyper_connections import HyperConnectedLayer, HyperHead, hyper_sources
 from models.moe import moe_sources
+from models import lean_layers
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from models.spec import DTYPES, ModelSpec
 
@@ -42,6 +43,7 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._lean = None         # per layer its lean eager forward or None (models/lean_layers.py), built at first use
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -56,11 +58,21 @@ class CausalLM(nn.Module):
                 streams, _ = layer(positions, streams, None, [kv_caches[c] for c in layer.cache_ids], input_ids)
             return self.norm(self.hc_head(streams))
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, [kv_caches[c] for c in layer.cache_ids])
+        if lean_layers.usable(x):   # eager on the CPU kernels: the layers' bound kernel calls, the same values
+            if self._lean is None:
+                self._lean = [lean_layers.lean_forward(layer) or layer for layer in self.layers]
+            for layer, run in zip(self.layers, self._lean):
+                x, residual = run(positions, x, residual, [kv_caches[c] for c in layer.cache_ids])
+        else:
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, [kv_caches[c] for c in layer.cache_ids])
         if residual is None:
             return self.norm(x)
         return self.norm.add_forward(x, residual, self.layers[-1].delta_multiplier)[0]
+
+    def _apply(self, fn, recurse: bool = True):
+        self._lean = None         # built again (hooks checked again) at the next eager forward
+        return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
