@@ -15,8 +15,8 @@ their module forward.
 
 `CausalLM.forward` takes these closures only where every fused kernel applies (eager, float32 CPU
 activations, no grad, the kernel library on: `elementwise.use_kernel`) and no global module hook
-is set. Tensors (norm weights, rope tables) and the linears are looked up on their modules at each
-call, and a linear with a hook is called as a module (tensor parallel's all-reduce sits on o_proj /
+is set. Tensors (norm weights, rope tables) and the linears are looked up in their modules'
+`_parameters` / `_buffers` / `_modules` at each call (not through `nn.Module.__getattr__`), and a linear with a hook is called as a module (tensor parallel's all-reduce sits on o_proj /
 down_proj; `linear`), so `.to()`, a replaced weight or a replaced linear is seen as by the modules;
 a hook on any other module of the layer keeps the module forward (checked when the closures are
 built, again after `.to()`). The outputs equal the module forward's bit for bit
@@ -69,18 +69,22 @@ def _attention(attn) -> Callable | None:
     layer_id, scale, has_rope = attn.layer_id, attn.scale, bool(rot.rotary_dim)
     norm_op, rope_op = torch.ops.zooinfer_cpu.rms_norm.default, torch.ops.zooinfer_cpu.rope.default
     qn = (float(q_norm.eps), float(q_norm.offset), float(k_norm.eps), float(k_norm.offset)) if q_norm is not None else None
+    mods, params, tables = attn._modules, attn._parameters, rot._buffers   # live: read at every call
+    qp, kp = (q_norm._parameters, k_norm._parameters) if q_norm is not None else (None, None)
+    sinks = "sinks" in params
 
     def run(positions: torch.Tensor, h: torch.Tensor, kv_cache: torch.Tensor) -> torch.Tensor:
-        t = linear(attn.qkv_proj, h)
+        t = linear(mods["qkv_proj"], h)
         q = t[:, :qs].view(-1, nq, hd)
         k = t[:, qs:qs + kvs].view(-1, nkv, hd)
         v = t[:, qs + kvs:].view(-1, nkv, hd)
         if qn is not None:
-            q = norm_op(q, q_norm.weight, qn[0], qn[1])
-            k = norm_op(k, k_norm.weight, qn[2], qn[3])
+            q = norm_op(q, qp["weight"], qn[0], qn[1])
+            k = norm_op(k, kp["weight"], qn[2], qn[3])
         if has_rope:
-            q, k = rope_op(positions, q, k, rot.cos, rot.sin)
-        return linear(attn.o_proj, attend(q, k, v, kv_cache, layer_id, scale, attn.sinks).view(-1, qs))
+            q, k = rope_op(positions, q, k, tables["cos"], tables["sin"])
+        o = attend(q, k, v, kv_cache, layer_id, scale, params["sinks"] if sinks else None)
+        return linear(mods["o_proj"], o.view(-1, qs))
     return run
 
 
@@ -92,10 +96,12 @@ def _mlp(mlp) -> Callable | None:
         return None
     kind, act_op = fused.ACTIVATIONS[mlp.activation], torch.ops.zooinfer_cpu.act_mul.default
 
+    mods = mlp._modules
+
     def run(h: torch.Tensor) -> torch.Tensor:
-        gate_up = mlp.gate_up_proj
+        gate_up = mods["gate_up_proj"]
         y = prepack.gate_up_act(gate_up, h, kind)
-        return linear(mlp.down_proj, y if y is not None else act_op(linear(gate_up, h), kind))
+        return linear(mods["down_proj"], y if y is not None else act_op(linear(gate_up, h), kind))
     return run
 
 
@@ -126,20 +132,21 @@ def lean_forward(layer) -> LayerFn | None:
     e_post, o_post = (float(n_post.eps), float(n_post.offset)) if n_post is not None else (0.0, 0.0)
     e_pre, o_pre = (float(n_pre.eps), float(n_pre.offset)) if n_pre is not None else (0.0, 0.0)
     e_ffn, o_ffn = (float(n_ffn.eps), float(n_ffn.offset)) if n_ffn is not None else (0.0, 0.0)
+    w_in, w_post, w_pre, w_ffn = (n._parameters if n is not None else None for n in (n_in, n_post, n_pre, n_ffn))
 
     def run(positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, caches: list):
         if residual is None:            # the first layer: x is the embeddings
-            h, residual = norm_op(x, n_in.weight, e_in, o_in), x
+            h, residual = norm_op(x, w_in["weight"], e_in, o_in), x
         else:
-            h, residual = add_norm_op(x, residual, n_in.weight, e_in, o_in, in_mult)
+            h, residual = add_norm_op(x, residual, w_in["weight"], e_in, o_in, in_mult)
         y = attn(positions, h, caches[0])
         if mlp is None:
             return y, residual
         if sandwich:
-            y = norm_op(y, n_post.weight, e_post, o_post)
-            h, residual = add_norm_op(y, residual, n_pre.weight, e_pre, o_pre, 1.0)
-            return norm_op(mlp(h), n_ffn.weight, e_ffn, o_ffn), residual
-        h, residual = add_norm_op(y, residual, n_post.weight, e_post, o_post, mix_beta)
+            y = norm_op(y, w_post["weight"], e_post, o_post)
+            h, residual = add_norm_op(y, residual, w_pre["weight"], e_pre, o_pre, 1.0)
+            return norm_op(mlp(h), w_ffn["weight"], e_ffn, o_ffn), residual
+        h, residual = add_norm_op(y, residual, w_post["weight"], e_post, o_post, mix_beta)
         return mlp(h), residual
     return run
 

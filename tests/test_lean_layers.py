@@ -49,12 +49,15 @@ def test_lean_layers_give_the_module_forwards_bits(tiny_hf, monkeypatch, family,
 
 @needs_kernels
 def test_multipliers_and_quantized_linears(tmp_path, monkeypatch):
-    """Residual multipliers (Granite's 0.5 on a plain Llama), and int8-activation quantized linears
-    (their bound kernel calls), give the module forwards' bits."""
+    """Residual multipliers (Granite's 0.5 on a plain Llama) with attention sinks, and int8-activation
+    quantized linears (their bound kernel calls), give the module forwards' bits."""
     spec = tmp_path / "tiny-mult.yaml"
-    spec.write_text(f"extends: {ZOO / 'smollm2-tiny.yaml'}\nresidual_multiplier: 0.5\nembedding_multiplier: 2.0\n")
+    spec.write_text(f"extends: {ZOO / 'smollm2-tiny.yaml'}\nresidual_multiplier: 0.5\nembedding_multiplier: 2.0\n"
+                    "attention: {sinks: true}\n")     # and gpt-oss's sink logits
     lean, n = _run(spec, monkeypatch, True)
     assert n == 2 and lean == _run(spec, monkeypatch, False)[0]
+    llm = LLM(str(spec), max_model_len=256)
+    assert llm.engine.model.layers[0].self_attn.sinks.abs().sum() > 0   # the sinks are real (random) logits
     kw = dict(quantization="int4_asym", quantization_activations="int8")
     lean, n = _run(ZOO / "smollm2-tiny.yaml", monkeypatch, True, **kw)
     assert n == 2 and lean == _run(ZOO / "smollm2-tiny.yaml", monkeypatch, False, **kw)[0]

@@ -24,6 +24,8 @@ after their data (attention/kv_quant.py), beyond the 5-D view: its block stride 
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from zooinfer_kernels import cpu_build
@@ -32,10 +34,26 @@ from zooinfer_kernels import cpu_build
 KV_DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
+_CONTIGUOUS: dict[int, tuple[weakref.ref, bool]] = {}   # id -> (the tensor, its answer): caches are long-lived
+
+
 def pages_contiguous(kv_cache: torch.Tensor) -> bool:
     """Whether the kernels can read `kv_cache`: `[blocks, 2, block_size, kv_heads, head_dim]`
     with every page (dims 1-4) contiguous and pages at least a page apart (any block stride).
-    Mirrors `pages_contiguous` in zooinfer_kernels/cpu/paged_checks.h."""
+    Mirrors `pages_contiguous` in zooinfer_kernels/cpu/paged_checks.h. Asked twice per layer per
+    step of the same cache views, so the answer is kept per tensor object (a tensor's shape and
+    strides do not change; the entry is checked to be that live tensor, not a reused id)."""
+    hit = _CONTIGUOUS.get(id(kv_cache))
+    if hit is not None and hit[0]() is kv_cache:
+        return hit[1]
+    ok = _pages_contiguous(kv_cache)
+    if len(_CONTIGUOUS) > 4096:
+        _CONTIGUOUS.clear()
+    _CONTIGUOUS[id(kv_cache)] = (weakref.ref(kv_cache), ok)
+    return ok
+
+
+def _pages_contiguous(kv_cache: torch.Tensor) -> bool:
     if kv_cache.dim() != 5 or kv_cache.shape[1] != 2:
         return False
     _, _, bs, heads, dim = kv_cache.shape
