@@ -185,8 +185,8 @@ def test_candidates_are_the_columns_within_the_margin_of_a_rows_maximum():
 
 def test_the_8bit_heads_kernel_is_the_int8_formula():
     """`quant_head_logits_q8` (Q8_0 / int8 heads) computes quant_linear_q8's formula to fp32
-    rounding: fp16 and fp32 scales, groups of 32 and per channel, K ending in a 32-weight chunk
-    tail, 1-16 rows (every register tile)."""
+    rounding: fp16 and fp32 scales, groups of 32, 64 and per channel (one scale broadcast; K past one
+    window of 32 blocks), K ending in a 32-weight chunk tail, 1-16 rows (every register tile)."""
     from zooinfer_kernels import quant_gemm
     from tests.test_quant import _bound
     g = torch.Generator().manual_seed(21)
@@ -194,7 +194,8 @@ def test_the_8bit_heads_kernel_is_the_int8_formula():
     assert {c[1].group for c in q8} > {32}                          # Q8_0 and per-channel int8 both
     for name, qw, _ in q8 + [("fp32-g64", QuantWeight(8, 64, 0, torch.randint(-127, 128, (29, 192), generator=g,
                                                                             dtype=torch.int8),
-                                                      torch.rand(29, 3, generator=g) + 0.1, None, 192, "g64"), None)]:
+                                                      torch.rand(29, 3, generator=g) + 0.1, None, 192, "g64"), None),
+                   ("int8-19x1088", quantize_int8(torch.randn(19, 1088, generator=g)), None)]:   # per channel, 2 windows
         for rows in (1, 2, 3, 4, 5, 16):
             x = torch.randn(rows, qw.k_pad, generator=g) * 2
             x[:, qw.k:] = 0
