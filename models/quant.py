@@ -285,11 +285,15 @@ class QuantLinear(_QuantBuffers):
             raise ValueError(f"quantization.activations must be one of {', '.join(ACTIVATIONS)}, got {activations!r}")
         self.activations = activations
         self.act = quant_gemm.ACT_CODES[activations]
-        self.act_int8 = self.act > 0             # int8 x in decode-sized products (both int8 modes)
         self.in_features, self.out_features = qw.k, qw.n
         self._hold(qw)
         self.bias = bias if bias is None or isinstance(bias, nn.Parameter) else nn.Parameter(bias, requires_grad=False)
         self._run = None          # `_bind`'s call, made at the first forward
+
+    @property
+    def act_int8(self) -> bool:
+        """int8 x in decode-sized products (both int8 modes)."""
+        return self.act > 0
 
     @property
     def qweight(self) -> QuantWeight:
