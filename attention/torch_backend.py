@@ -112,6 +112,25 @@ class TorchAttentionMetadata:
     prefills: _Prefills | None
     layout: BatchLayout
     device: torch.device
+    stack_plan: tuple | None = None   # `kernel_plan`'s answer, made by its first caller this step
+
+    def kernel_plan(self) -> tuple | None:
+        """This step's plan as the C++ layer stack takes it (zooinfer_kernels/cpu/decode_stack.cpp):
+        (slots, decode block_table, rows, token_index, seq_lens, prefill block_table, rows,
+        query_start, query_lens, seq_lens) (a part's tensors None where the step has none of it) and
+        the window (0: none), or None where some of the step needs the padded path (no kernel
+        plan: the library off, a non-CPU device) or the slots are not int64. Made once a step."""
+        if self.stack_plan is None:
+            d, p = self.decodes, self.prefills
+            ok = not self.parts and (d is None or d.kernel is not None) and self.slot_mapping.dtype == torch.int64
+            if not ok:
+                self.stack_plan = ()
+            else:
+                dec = (d.kernel[0], d.kernel[1], d.token_index, d.kernel[2]) if d is not None else (None,) * 4
+                pre = p.kernel[:5] if p is not None else (None,) * 5
+                window = self.layout.sliding_window
+                self.stack_plan = ((self.slot_mapping, *dec, *pre), 0 if window is None else int(window))
+        return self.stack_plan or None
 
 
 def _make_part(layout: BatchLayout, rows: np.ndarray, device: torch.device) -> _Part:

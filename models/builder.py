@@ -12,7 +12,7 @@ from zooinfer_kernels.lm_head import GreedyHead
 from models.kinds import KINDS, linear_sources
 from models.hyper_connections import HyperConnectedLayer, HyperHead, hyper_sources
 from models.moe import moe_sources
-from models import lean_layers
+from models import lean_layers, lean_stack
 from models.layers import DecoderLayer, RMSNorm, RotaryEmbedding
 from models.spec import DTYPES, ModelSpec
 
@@ -44,6 +44,7 @@ class CausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self._lean = None         # per layer its lean eager forward or None (models/lean_layers.py), built at first use
+        self._stack = None        # all layers in one C++ call where they fit (models/lean_stack.py), built with _lean
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor]) -> torch.Tensor:
@@ -61,8 +62,13 @@ class CausalLM(nn.Module):
         if lean_layers.usable(x):   # eager on the CPU kernels: the layers' bound kernel calls, the same values
             if self._lean is None:
                 self._lean = [lean_layers.lean_forward(layer) or layer for layer in self.layers]
-            for layer, run in zip(self.layers, self._lean):
-                x, residual = run(positions, x, residual, [kv_caches[c] for c in layer.cache_ids])
+                self._stack = lean_stack.build(self.layers)
+            out = self._stack.run(positions, x, kv_caches) if self._stack is not None else None
+            if out is not None:     # every layer in one C++ call (models/lean_stack.py), the same values
+                x, residual = out
+            else:
+                for layer, run in zip(self.layers, self._lean):
+                    x, residual = run(positions, x, residual, [kv_caches[c] for c in layer.cache_ids])
         else:
             for layer in self.layers:
                 x, residual = layer(positions, x, residual, [kv_caches[c] for c in layer.cache_ids])
@@ -71,7 +77,7 @@ class CausalLM(nn.Module):
         return self.norm.add_forward(x, residual, self.layers[-1].delta_multiplier)[0]
 
     def _apply(self, fn, recurse: bool = True):
-        self._lean = None         # built again (hooks checked again) at the next eager forward
+        self._lean = self._stack = None   # built again (hooks checked again) at the next eager forward
         return super()._apply(fn, recurse)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -162,6 +162,16 @@ def quant_linear_int8_act(x: torch.Tensor, qs: torch.Tensor, scale: torch.Tensor
     return q8_op(x.shape[0])(x, qs, scale, minv, bits, group, zero, bias, qh, scale_d, min_d, -1)
 
 
+def bound_mode(act: int) -> int:
+    """Which kernels `bind` calls for the activation code `act` (`ACT_CODES`) here: 0 the exact
+    `quant_linear`, 1 int8 activations at every row count (`q8_op`), 2 int8 below `BF16_MIN_ROWS`
+    rows and `quant_linear_bf16_amx` from there. The C++ layer stack (cpu/decode_stack.cpp) takes
+    its linears' kernels from this and `q8_gemm_min_rows`, so it picks as `bind` does."""
+    if not (act and q8_available()):
+        return 0
+    return 2 if act == 2 and bf16_amx_available() else 1
+
+
 def bind(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, group: int, zero: int,
          bias: torch.Tensor | None, act: int, *, qh: torch.Tensor | None = None,
          scale_d: torch.Tensor | None = None, min_d: torch.Tensor | None = None):
@@ -171,8 +181,9 @@ def bind(qs: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits:
     `QuantLinear` that gathers its buffers and picks an op on every call spends ~8 us of Python a call
     (Zen 5, 2 threads), about 1 ms of a SmolLM2 decode step of ~10 (120 calls); bound once it is one
     op call."""
-    if act and q8_available():
-        if act == 2 and bf16_amx_available():
+    mode = bound_mode(act)
+    if mode:
+        if mode == 2:
             bf16 = torch.ops.zooinfer_cpu.quant_linear_bf16_amx.default
 
             def run(x: torch.Tensor) -> torch.Tensor:
