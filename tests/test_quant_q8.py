@@ -164,6 +164,37 @@ def test_activations_round_as_the_torch_reference_bit_for_bit(isa):
 
 
 @needs_q8
+@pytest.mark.skipif(2 not in ISAS, reason="needs AVX-512 VNNI")
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_vnni_decode_rows_do_not_depend_on_the_batch(case):
+    """The VNNI decode kernel tiles 4 weight rows for one x row, 2 for two, 1 for three or four
+    (sharing x's loads and the final sums); every output is the same arithmetic in any tile, so a
+    row of x gives the same bits alone, in any batch up to 16 rows, at 1 or 2 threads, and the
+    weight rows past a multiple of 4 (single-row tiles) agree with the 4-row tiles' values."""
+    from zooinfer_kernels import quant_gemm
+    _, qw, _ = case
+    g = torch.Generator().manual_seed(16)
+    x = torch.randn(16, qw.k_pad, generator=g)
+    args = (qw.qs, qw.scale, qw.min, qw.bits, qw.group, qw.zero, None)
+    dec = (lambda xs: quant_gemm.quant_linear_q8(xs, *args, **qw.storage, isa=2))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([dec(x[i:i + 1]) for i in range(16)])
+        torch.set_num_threads(2)
+        for rows in (slice(0, 16), slice(0, 2), slice(3, 6), slice(5, 9), slice(2, 15)):
+            assert torch.equal(dec(x[rows]), alone[rows]), rows
+    finally:
+        torch.set_num_threads(n)
+    if qw.n > 4:                 # a weight of fewer rows moves rows from 4-row tiles into single-row ones
+        cut = 4 * ((qw.n - 1) // 4) - 1
+        storage = {k: v[:cut] for k, v in qw.storage.items() if v is not None}
+        got = quant_gemm.quant_linear_q8(x[:1], qw.qs[:cut], qw.scale[:cut], None if qw.min is None else qw.min[:cut],
+                                         qw.bits, qw.group, qw.zero, None, **storage, isa=2)
+        assert torch.equal(got, alone[:1, :cut])
+
+
+@needs_q8
 def test_avx2_rows_do_not_depend_on_the_row_count_nor_the_threads():
     """On AVX2 every output of either op is one fp32 chain over its blocks, whatever the register
     tile (1-4 rows), block of rows (64 in row order, 128 in GEMM order) or thread: a row's result

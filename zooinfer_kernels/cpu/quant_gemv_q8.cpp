@@ -28,6 +28,12 @@
 // kept the hardware prefetcher from following the rows, as in quant_head.cpp); even and odd chunks
 // sum into two named sets of accumulators (indexed by c & 1 they lived on the stack); 5 / 6 bits
 // skip the unpack buffer's store and reload; two-level scales widen 16 at a time (quant_storage.h).
+// Row tiles (Intel AMX Xeon, SmolLM2 int4_asym, 1 x row, 2 threads: gate_up 3072 x 576 57.6 -> 36.8 us,
+// down 576 x 1536 25.3 -> 17.1): at K = 576 a weight row is 4.5 chunks, so the per-row work (x's
+// loads, two 16-lane sums, the min term) cost more than the chunks; one x row now runs against 4
+// weight rows at a time (2 x rows against 2), the min term's lanes join the products before one
+// fixed-tree sum, and `#pragma GCC unroll` keeps the [R][NR] accumulators in registers (without
+// it GCC left them on the stack: no faster than the single-row tile).
 // This kernel needs AVX-512 F/BW/VL + VNNI (isa 2); elsewhere (isa 1: AVX2 + FMA, or forced by
 // the `isa` argument) the op runs quant_q8_avx2.cpp's row-order kernel, the same formula and
 // bound, whose results do not depend on the row count. `quant_q8_available`: either path; without AVX2 + FMA
@@ -53,35 +59,47 @@ ZI_VNNI ZI_INLINE __m128 load2(const float* p) {   // p[0], p[1], zeros: an 8-by
   return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
 }
 
-// 4-bit row n against R rows of xq: acc lanes hold block i / 4 of each chunk. Even chunks sum into
-// `even`, odd ones into `odd` (two fma chains, both in registers).
-template <int R>
-ZI_VNNI ZI_INLINE void chunk4(const QW& w, const uint8_t* r, const float* sc, int64_t c, int64_t nb, const XQ& xq,
-                              int64_t m0, __m512 (&acc)[R]) {
+// 4-bit chunk c of NR weight rows (r, sc: their bytes and scales) against R rows of xq: acc[i][j]
+// lanes hold block lane / 4 of the chunk for x row m0 + i and weight row j. The xq loads are shared
+// by the NR rows; each (i, j) product is the same arithmetic whatever NR is. Even chunks sum into
+// `even`, odd ones into `odd` (two fma chains per pair, all in registers).
+template <int R, int NR>
+ZI_VNNI ZI_INLINE void chunk4(const QW& w, const uint8_t* const (&r)[NR], const float* const (&sc)[NR], int64_t c,
+                              int64_t nb, const XQ& xq, int64_t m0, __m512 (&acc)[R][NR]) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const int blocks = static_cast<int>(std::min<int64_t>(4, nb - c * 4));
-  _mm_prefetch(reinterpret_cast<const char*>(r + c * 64) + PF_BYTES, _MM_HINT_T0);
-  const __m512i v = blocks == 4 ? _mm512_loadu_si512(r + c * 64)
-                                : _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * blocks)) - 1, r + c * 64);
-  const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-  __m128 sw;
-  if (w.group == 32 && blocks == 4) {
-    sw = _mm_loadu_ps(sc + c * 4);
-  } else if (w.group == 32) {
-    sw = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << blocks) - 1), sc + c * 4);
-  } else {
-    alignas(16) float s[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j = 0; j < blocks; ++j) s[j] = sc[(c * 4 + j) * 32 / w.group];
-    sw = _mm_load_ps(s);
-  }
+  __m512i xl[R], xh[R];
+  __m128 dx[R];
+  #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
     const int8_t* xr = xq.q.data() + (m0 + i) * xq.ldq + c * 128;
-    __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(xr));
-    dp = _mm512_dpbusd_epi32(dp, hi, _mm512_loadu_si512(xr + 64));
-    const __m128 s4 = _mm_mul_ps(sw, _mm_loadu_ps(xq.d.data() + (m0 + i) * xq.ldd + c * 4));
-    const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(s4));
-    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), s, acc[i]);
+    xl[i] = _mm512_loadu_si512(xr), xh[i] = _mm512_loadu_si512(xr + 64);
+    dx[i] = _mm_loadu_ps(xq.d.data() + (m0 + i) * xq.ldd + c * 4);
+  }
+  #pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(r[j] + c * 64) + PF_BYTES, _MM_HINT_T0);
+    const __m512i v = blocks == 4 ? _mm512_loadu_si512(r[j] + c * 64)
+                                  : _mm512_maskz_loadu_epi8((__mmask64(1) << (16 * blocks)) - 1, r[j] + c * 64);
+    const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+    __m128 sw;
+    if (w.group == 32 && blocks == 4) {
+      sw = _mm_loadu_ps(sc[j] + c * 4);
+    } else if (w.group == 32) {
+      sw = _mm_maskz_loadu_ps(static_cast<__mmask8>((1u << blocks) - 1), sc[j] + c * 4);
+    } else {
+      alignas(16) float s[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int b = 0; b < blocks; ++b) s[b] = sc[j][(c * 4 + b) * 32 / w.group];
+      sw = _mm_load_ps(s);
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      __m512i dp = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xl[i]);
+      dp = _mm512_dpbusd_epi32(dp, hi, xh[i]);
+      const __m512 s = _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(_mm_mul_ps(sw, dx[i])));
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), s, acc[i][j]);
+    }
   }
 }
 
@@ -117,68 +135,168 @@ ZI_VNNI ZI_INLINE __m512i weights8(const uint8_t* r, const uint32_t* h, int64_t 
   }
 }
 
-// 8-bit (or 5 / 6-bit, see weights8) chunk c: lane i covers weights 4i..4i+3 (block i / 8, 16-group i / 4).
-template <int BITS, int R>
-ZI_VNNI ZI_INLINE void chunk8(const QW& w, const uint8_t* r, const uint32_t* h, const float* sc, int64_t c,
-                              const XQ& xq, int64_t m0, __m512 (&acc)[R]) {
+// 8-bit (or 5 / 6-bit, see weights8) chunk c of NR weight rows: lane i covers weights 4i..4i+3
+// (block i / 8, 16-group i / 4); the xq loads shared as in chunk4.
+template <int BITS, int R, int NR>
+ZI_VNNI ZI_INLINE void chunk8(const QW& w, const uint8_t* const (&r)[NR], const uint32_t* const (&h)[NR],
+                              const float* const (&sc)[NR], int64_t c, const XQ& xq, int64_t m0,
+                              __m512 (&acc)[R][NR]) {
   const __m512i by8 = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i by4 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i zero = _mm512_setzero_si512();
   const int64_t k0 = c * 64, len = std::min<int64_t>(64, w.k - k0);   // 64 or a 32-weight tail
   const bool full = len == 64;
-  const __m512i v = weights8<BITS>(r, h, c, full, static_cast<int>(w.zero));
-  const __m512i aw = _mm512_abs_epi8(v);
-  const __mmask64 neg = _mm512_movepi8_mask(v);
-  __m512 sw;    // the weight scale of each lane
-  if (w.group == 16) {
-    sw = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(full ? _mm_loadu_ps(sc + k0 / 16) : load2(sc + k0 / 16)));
-  } else if (w.group == 32) {
-    sw = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(full ? load2(sc + k0 / 32) : _mm_load_ss(sc + k0 / 32)));
-  } else if (k0 / w.group == (k0 + len - 1) / w.group) {
-    sw = _mm512_set1_ps(sc[k0 / w.group]);
-  } else {      // a chunk across two groups of a G that is not a multiple of 64 (e.g. 96)
-    alignas(64) float s[16];
-    for (int j = 0; j < 16; ++j) s[j] = k0 + 4 * j < w.k ? sc[(k0 + 4 * j) / w.group] : 0.f;
-    sw = _mm512_load_ps(s);
-  }
+  __m512i xv[R];
+  __m512 dx[R];
+  #pragma GCC unroll 8
   for (int i = 0; i < R; ++i) {
-    const __m512i xv = _mm512_loadu_si512(xq.q.data() + (m0 + i) * xq.ldq + k0);
-    const __m512i dp = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv, neg, zero, xv));
-    const __m512 dx = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(load2(xq.d.data() + (m0 + i) * xq.ldd + c * 2)));
-    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(sw, dx), acc[i]);
+    xv[i] = _mm512_loadu_si512(xq.q.data() + (m0 + i) * xq.ldq + k0);
+    dx[i] = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(load2(xq.d.data() + (m0 + i) * xq.ldd + c * 2)));
+  }
+  #pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    const __m512i v = weights8<BITS>(r[j], h[j], c, full, static_cast<int>(w.zero));
+    const __m512i aw = _mm512_abs_epi8(v);
+    const __mmask64 neg = _mm512_movepi8_mask(v);
+    const float* s = sc[j];
+    __m512 sw;    // the weight scale of each lane
+    if (w.group == 16) {
+      sw = _mm512_permutexvar_ps(by4, _mm512_castps128_ps512(full ? _mm_loadu_ps(s + k0 / 16) : load2(s + k0 / 16)));
+    } else if (w.group == 32) {
+      sw = _mm512_permutexvar_ps(by8, _mm512_castps128_ps512(full ? load2(s + k0 / 32) : _mm_load_ss(s + k0 / 32)));
+    } else if (k0 / w.group == (k0 + len - 1) / w.group) {
+      sw = _mm512_set1_ps(s[k0 / w.group]);
+    } else {      // a chunk across two groups of a G that is not a multiple of 64 (e.g. 96)
+      alignas(64) float t[16];
+      for (int l = 0; l < 16; ++l) t[l] = k0 + 4 * l < w.k ? s[(k0 + 4 * l) / w.group] : 0.f;
+      sw = _mm512_load_ps(t);
+    }
+    #pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m512i dp = _mm512_dpbusd_epi32(zero, aw, _mm512_mask_sub_epi8(xv[i], neg, zero, xv[i]));
+      acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dp), _mm512_mul_ps(sw, dx[i]), acc[i][j]);
+    }
   }
 }
 
-// Row n of a tile against rows m0..m0 + R of xq, written to out; chunks alternate between two sets
-// of accumulators (two fma chains), unrolled by hand so both stay in registers.
-template <int BITS, int R>
+// The min / zero term of weight row `row` for one x row, per lane: the lanes of
+// sum_g (min_g - zero s_g) xsum_g, 16 groups at a time (a masked tail).
+ZI_VNNI ZI_INLINE __m512 offset_lanes(const QW& w, int64_t row, const float* xsum) {
+  const int64_t ng = w.k / w.group;
+  const float* sp = w.scale + row * ng;
+  const float* mp = w.minv ? w.minv + row * ng : nullptr;
+  const __m512 z = _mm512_set1_ps(static_cast<float>(w.tile_zero()));
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; g += 16) {
+    const __mmask16 k = ng - g >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (ng - g)) - 1);
+    const __m512 mv = mp ? _mm512_maskz_loadu_ps(k, mp + g) : _mm512_setzero_ps();
+    acc = _mm512_fmadd_ps(_mm512_fnmadd_ps(z, _mm512_maskz_loadu_ps(k, sp + g), mv), _mm512_maskz_loadu_ps(k, xsum + g),
+                          acc);
+  }
+  return acc;
+}
+
+// Sums of 16 lanes in one fixed tree, (lane j + lane j + 8) + (j + 4, j + 12), then (0 + 2) + (1 + 3):
+// `sum16` for one vector and `sum16x4` for four at once (a 4 x 4 transpose), the same value per vector.
+ZI_VNNI ZI_INLINE __m128 quarter_sums(__m512 a) {
+  const __m256 s = _mm256_add_ps(_mm512_castps512_ps256(a),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+ZI_VNNI ZI_INLINE float sum16(__m512 a) {
+  const __m128 u = quarter_sums(a);
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+ZI_VNNI ZI_INLINE __m128 sum16x4(__m512 a, __m512 b, __m512 c, __m512 d) {
+  __m128 u0 = quarter_sums(a), u1 = quarter_sums(b), u2 = quarter_sums(c), u3 = quarter_sums(d);
+  _MM_TRANSPOSE4_PS(u0, u1, u2, u3);     // u_l: lane l of a, b, c, d
+  return _mm_add_ps(_mm_add_ps(u0, u2), _mm_add_ps(u1, u3));
+}
+
+// Weight rows n..n + NR of a tile against x rows m0..m0 + R, written to out: per (x row, weight row)
+// the chunk products, the min / zero term's lanes, then one 16-lane sum. NR > 1 shares the xq
+// loads and the final sums between rows (at K = 576 the per-row work was ~60% of a SmolLM2 linear);
+// every (x row, weight row) gets the same arithmetic for any NR and R, so a row's result does not
+// depend on the batch.
+template <int BITS, int R, int NR>
 ZI_VNNI void tile(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float* xsum, float* out, int64_t ldo) {
   const int64_t nb = w.k / 32, ng = w.k / w.group;
   const int64_t chunks = BITS == 4 ? (nb + 3) / 4 : (w.k + 63) / 64;
-  const uint8_t* r = w.qs + n * w.row_bytes();
-  const uint32_t* h = BITS == 5 || BITS == 6 ? w.qh + n * nb * (BITS - 4) : nullptr;
-  const float* sc = w.scale + n * ng;
-  __m512 even[R], odd[R];
-  for (int i = 0; i < R; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  const uint8_t* r[NR];
+  const uint32_t* h[NR];
+  const float* sc[NR];
+  #pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    r[j] = w.qs + (n + j) * w.row_bytes();
+    h[j] = BITS == 5 || BITS == 6 ? w.qh + (n + j) * nb * (BITS - 4) : nullptr;
+    sc[j] = w.scale + (n + j) * ng;
+  }
+  __m512 even[R][NR], odd[R][NR];
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i)
+    #pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) even[i][j] = odd[i][j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunks; c += 2) {
     if constexpr (BITS == 4) {
-      chunk4<R>(w, r, sc, c, nb, xq, m0, even);
-      if (c + 1 < chunks) chunk4<R>(w, r, sc, c + 1, nb, xq, m0, odd);
+      chunk4<R, NR>(w, r, sc, c, nb, xq, m0, even);
+      if (c + 1 < chunks) chunk4<R, NR>(w, r, sc, c + 1, nb, xq, m0, odd);
     } else {
-      chunk8<BITS, R>(w, r, h, sc, c, xq, m0, even);
-      if (c + 1 < chunks) chunk8<BITS, R>(w, r, h, sc, c + 1, xq, m0, odd);
+      chunk8<BITS, R, NR>(w, r, h, sc, c, xq, m0, even);
+      if (c + 1 < chunks) chunk8<BITS, R, NR>(w, r, h, sc, c + 1, xq, m0, odd);
     }
   }
-  for (int i = 0; i < R; ++i)
-    out[(m0 + i) * ldo + n] = _mm512_reduce_add_ps(_mm512_add_ps(even[i], odd[i])) +
-                              (xsum ? offset_dot(Avx512{}, w, n, xsum + (m0 + i) * ng) : 0.f);
+  #pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    __m512 t[NR];
+    #pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) {
+      t[j] = _mm512_add_ps(even[i][j], odd[i][j]);
+      if (xsum) t[j] = _mm512_add_ps(t[j], offset_lanes(w, n + j, xsum + (m0 + i) * ng));
+    }
+    float* o = out + (m0 + i) * ldo + n;
+    if constexpr (NR == 4) {
+      _mm_storeu_ps(o, sum16x4(t[0], t[1], t[2], t[3]));
+    } else {
+      #pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) o[j] = sum16(t[j]);
+    }
+  }
 }
 
+// Weight rows [n0, n1) against every row of xq: 4 weight rows a tile for one x row, 2 for two,
+// 1 for 3-4 (the accumulators: 2 R NR of the 32 zmm registers).
 template <int BITS>
 ZI_VNNI void rows_bits(const QW& w, const XQ& xq, int64_t M, const float* xsum, float* out, int64_t ldo, int64_t n0,
                        int64_t n1) {
-  for_each_tile<false>(w, M, n0, n1,
-                       [&](auto r, int64_t n, int64_t m0) { tile<BITS, decltype(r)::value>(w, n, xq, m0, xsum, out, ldo); });
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4)
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      switch (std::min<int64_t>(MR, M - m0)) {
+        case 1: tile<BITS, 1, 4>(w, n, xq, m0, xsum, out, ldo); break;
+        case 2:
+          tile<BITS, 2, 2>(w, n, xq, m0, xsum, out, ldo);
+          tile<BITS, 2, 2>(w, n + 2, xq, m0, xsum, out, ldo);
+          break;
+        case 3:
+          for (int j = 0; j < 4; ++j) tile<BITS, 3, 1>(w, n + j, xq, m0, xsum, out, ldo);
+          break;
+        default:
+          for (int j = 0; j < 4; ++j) tile<BITS, 4, 1>(w, n + j, xq, m0, xsum, out, ldo);
+          break;
+      }
+    }
+  for (; n < n1; ++n)
+    for (int64_t m0 = 0; m0 < M; m0 += MR) {
+      switch (std::min<int64_t>(MR, M - m0)) {
+        case 1: tile<BITS, 1, 1>(w, n, xq, m0, xsum, out, ldo); break;
+        case 2: tile<BITS, 2, 1>(w, n, xq, m0, xsum, out, ldo); break;
+        case 3: tile<BITS, 3, 1>(w, n, xq, m0, xsum, out, ldo); break;
+        default: tile<BITS, 4, 1>(w, n, xq, m0, xsum, out, ldo); break;
+      }
+    }
 }
 
 // Rows [n0, n1) of a tile (bits 4, 8, or 5 / 6 as stored: for_row_tiles without unpacking).
