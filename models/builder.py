@@ -62,7 +62,7 @@ class CausalLM(nn.Module):
         if lean_layers.usable(x):   # eager on the CPU kernels: the layers' bound kernel calls, the same values
             if self._lean is None:
                 self._lean = [lean_layers.lean_forward(layer) or layer for layer in self.layers]
-                self._stack = lean_stack.build(self.layers)
+                self._stack = lean_stack.build(self.layers, self._lean)
             out = self._stack.run(positions, x, kv_caches) if self._stack is not None else None
             if out is not None:     # every layer in one C++ call (models/lean_stack.py), the same values
                 x, residual = out

@@ -62,9 +62,10 @@ class LeanStack:
         self._hooks += [mod._forward_hooks, mod._forward_pre_hooks]
         return [getattr(mod, f) for f in LINEAR_FIELDS], [mod.bits, mod.group, mod.zero, quant_gemm.bound_mode(mod.act)]
 
-    def add(self, layer) -> bool:
-        """Bind `layer` (a `DecoderLayer`); False where it is not of the stack's shape."""
-        if lean_layers.lean_forward(layer) is None or not lean_layers.hooks_clear(layer, []):
+    def add(self, layer, lean) -> bool:
+        """Bind `layer` (a `DecoderLayer`; `lean`: its lean closure, or the layer where it has none);
+        False where it is not of the stack's shape."""
+        if lean is layer or not lean_layers.hooks_clear(layer, []):
             return False
         attr = layer._mixers[0][0]
         attn, mlp = getattr(layer, attr), layer.mlp
@@ -131,10 +132,11 @@ class LeanStack:
         return self.obj.run(x, positions, list(caches), index, plans, windows)
 
 
-def build(layers) -> LeanStack | None:
-    """A stack of `layers` (a model's `DecoderLayer`s, in order), or None where one of them does not
-    fit it. Called inside an eager forward that takes the lean closures (the kernel library on)."""
+def build(layers, lean: list) -> LeanStack | None:
+    """A stack of `layers` (a model's `DecoderLayer`s, in order; `lean` their entries of
+    `CausalLM._lean`), or None where one of them does not fit it. Called inside an eager forward that
+    takes the lean closures (the kernel library on)."""
     if not layers:
         return None
     stack = LeanStack()
-    return stack if all(stack.add(layer) for layer in layers) else None
+    return stack if all(stack.add(layer, run) for layer, run in zip(layers, lean)) else None

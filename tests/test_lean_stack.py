@@ -52,7 +52,7 @@ def _both(path, monkeypatch, **kw):
     with_stack = _outputs(llm)
     assert llm.engine.model._stack is not None
     build = lean_stack.build
-    monkeypatch.setattr(lean_stack, "build", lambda layers: None)
+    monkeypatch.setattr(lean_stack, "build", lambda layers, lean: None)
     try:
         lean = _outputs(_llm(path, **kw))
     finally:
@@ -106,7 +106,7 @@ def test_replaced_weights_and_late_hooks_leave_the_stack(monkeypatch, counted):
     changed = _outputs(llm)
     assert counted["declined"] > 0 and changed != base
     build = lean_stack.build
-    monkeypatch.setattr(lean_stack, "build", lambda layers: None)
+    monkeypatch.setattr(lean_stack, "build", lambda layers, lean: None)
     model._lean = None
     assert _outputs(llm) == changed                 # what the lean closures give on the new weight
     monkeypatch.setattr(lean_stack, "build", build)
