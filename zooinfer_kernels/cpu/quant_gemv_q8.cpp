@@ -55,6 +55,9 @@ using namespace zi_quant;
 
 constexpr int64_t PF_BYTES = 5120;   // least software prefetch distance in a weight's quantized bytes (see tile)
 
+// The least multiple of `stride` that is at least `bytes` (a prefetch distance in whole tiles, see tile).
+constexpr int64_t whole_strides(int64_t bytes, int64_t stride) { return stride > 0 ? (bytes + stride - 1) / stride * stride : 0; }
+
 ZI_VNNI ZI_INLINE __m128 load2(const float* p) {   // p[0], p[1], zeros: an 8-byte load, not a masked one
   return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
 }
@@ -241,9 +244,8 @@ ZI_VNNI void tile(const QW& w, int64_t n, const XQ& xq, int64_t m0, const float*
   // A fixed 2560 bytes reached only ~1.5 rows past a 4-row tile at K = 2048; Gemma-3's Q4_K / Q6_K
   // down_proj (K = 2048) at one x row, 2 threads, in forward order: 57 -> 50 and 80 -> 72 us,
   // the body 3% less, one more tile ahead ~2% more (interleaved A/B in one process).
-  const int64_t stride = NR * w.row_bytes(), pf = (PF_BYTES + stride - 1) / stride * stride;
-  const int64_t stride_h = BITS == 5 || BITS == 6 ? NR * nb * (BITS - 4) * 4 : 0;
-  const int64_t pf_h = stride_h > 0 ? (PF_BYTES / 2 + stride_h - 1) / stride_h * stride_h : 0;
+  const int64_t pf = whole_strides(PF_BYTES, NR * w.row_bytes());
+  const int64_t pf_h = whole_strides(PF_BYTES / 2, BITS == 5 || BITS == 6 ? NR * nb * (BITS - 4) * 4 : 0);
   __m512 even[R][NR], odd[R][NR];
   #pragma GCC unroll 8
   for (int i = 0; i < R; ++i)
